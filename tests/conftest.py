@@ -1,0 +1,32 @@
+"""Session-wide fixtures: one pool of 2 gloo ranks for every multi-rank test, one inductor cache for all."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+from collections.abc import Iterator
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CACHE = REPO / ".cache"
+# Set before torch compiles anything, here and in the rank workers (they inherit os.environ).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE / "inductor"))
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(CACHE / "torch_extensions"))
+os.environ.setdefault("TRITON_CACHE_DIR", str(CACHE / "triton"))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from wrapperroute.ranks import RankPool  # noqa: E402
+
+WORLD_SIZE = 2
+
+
+@pytest.fixture(scope="session")
+def pool() -> Iterator[RankPool]:
+    """Two gloo ranks, spawned once. A task that fails restarts them (see wrapperroute.ranks)."""
+    ranks = RankPool(WORLD_SIZE)
+    ranks.start()
+    yield ranks
+    ranks.close()

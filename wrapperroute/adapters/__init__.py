@@ -1,0 +1,31 @@
+"""One adapter per wrapper family, behind :class:`~wrapperroute.adapters.base.Adapter`.
+
+Optional families (DeepSpeed, PEFT) are consulted only once their package is imported: a model cannot be a
+``DeepSpeedEngine`` unless ``deepspeed`` was imported, so wrapperroute never imports it itself.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .base import Adapter
+from .compile import CompileAdapter
+from .ddp import DDPAdapter
+
+_CORE: tuple[Adapter, ...] = (CompileAdapter(), DDPAdapter())
+_OPTIONAL: dict[str, tuple[str, str]] = {}  # package name -> (module path, adapter class name)
+_loaded_optional: dict[str, Adapter] = {}
+
+
+def registered() -> tuple[Adapter, ...]:
+    """The adapters to consult, core first, then those whose package is already imported."""
+    for package, (module_path, class_name) in _OPTIONAL.items():
+        if package not in _loaded_optional and package in sys.modules:
+            module = __import__(module_path, fromlist=[class_name])
+            _loaded_optional[package] = getattr(module, class_name)()
+    if not _loaded_optional:
+        return _CORE
+    return _CORE + tuple(_loaded_optional.values())
+
+
+__all__ = ["Adapter", "registered"]

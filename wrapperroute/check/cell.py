@@ -1,0 +1,139 @@
+"""One cell of the check matrix, run on every rank: a wrapper, a loss, routed or not, some steps.
+
+Gradient truth: after each step every parameter's full gradient is compared (1) across ranks, by one
+all-gather, and (2) against a single process that computes the same loss on the concatenated global batch
+from identical initial weights. Routed cells must show 0 parameters differing and a tiny reference error;
+unrouted cells show what the bug does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..route import _isolated_losses, route_loss
+from .losses import LOSSES, make_batch
+from .models import TinyConfig, build_model
+from .wrappers import WRAPPERS, build_none
+
+# Two gradients count as "different across ranks" above this; DDP's all-reduce makes them bit-identical.
+RANK_TOLERANCE = 0.0
+
+
+@dataclass
+class Cell:
+    wrapper: str = "ddp"
+    loss: str = "fused_ce"
+    routed: bool = True
+    mode: str = "auto"
+    steps: int = 1
+    accum: int = 1  # micro-batches per step; all but the last under the wrapper's no_sync
+    wrapper_opts: dict[str, Any] = field(default_factory=dict)
+    config: TinyConfig | None = None  # default: the loss's own
+    rows: int = 2
+    fresh_compile: bool = False  # drop Dynamo's caches first, so a compiled loss is compiled inside the wrapper
+
+    def label(self) -> str:
+        how = f"routed[{self.mode}]" if self.routed else "unrouted"
+        opts = ",".join(f"{k}={v}" for k, v in sorted(self.wrapper_opts.items()))
+        return f"{self.wrapper}{'(' + opts + ')' if opts else ''} / {self.loss} / {how}"
+
+
+@dataclass
+class CellResult:
+    label: str
+    rank: int
+    params: int = 0
+    differ: int = 0  # parameters whose gradient differs across ranks (worst step)
+    max_rank_diff: float = 0.0
+    max_ref_diff: float = 0.0  # max |grad - single-process reference| (worst step)
+    losses: list[float] = field(default_factory=list)
+    fell_back: bool = False  # the functorch fallback engaged during this cell
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def exact(self) -> bool:
+        return self.error is None and self.differ == 0 and self.max_ref_diff <= 1e-6
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _compare_across_ranks(grads: dict[str, torch.Tensor]) -> tuple[int, float]:
+    names = sorted(grads)
+    flat = torch.cat([grads[n].reshape(-1).float() for n in names])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    differ, worst, offset = 0, 0.0, 0
+    for name in names:
+        size = grads[name].numel()
+        pieces = [g[offset : offset + size] for g in gathered]
+        diff = max(float((p - pieces[0]).abs().max()) if size else 0.0 for p in pieces)
+        differ += diff > RANK_TOLERANCE
+        worst = max(worst, diff)
+        offset += size
+    return differ, worst
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[n].float() - b[n].float()).abs().max()) for n in b)
+
+
+def run_cell(cell: Cell) -> dict[str, Any]:
+    """Run ``cell`` on this rank; every rank must call it. Errors inside the step are reported, not raised,
+    when every rank hits them at the same point (the crash reproductions)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result = CellResult(cell.label(), rank)
+    start = time.perf_counter()
+    case = LOSSES[cell.loss]
+    config = cell.config or case.config
+    if cell.fresh_compile:
+        torch._dynamo.reset()
+        _isolated_losses.clear()
+
+    wrapped = WRAPPERS[cell.wrapper].build(build_model(config), dict(cell.wrapper_opts))
+    extras = case.extras(config)
+    reference = build_none(build_model(config), {})
+    reference_extras = case.extras(config)
+    isolated_before = set(_isolated_losses)
+    for step in range(cell.steps):
+        try:
+            for micro in range(cell.accum):
+                batch = make_batch(case, config, rank, step, micro, cell.rows)
+                last = micro == cell.accum - 1
+                with contextlib.nullcontext() if last else wrapped.no_sync():
+                    if cell.routed:
+                        loss = route_loss(
+                            wrapped.model, wrapped.inner, case.compute, wrapped.inner, batch, extras, mode=cell.mode
+                        )
+                    else:
+                        loss = case.compute(wrapped.inner, batch, extras)  # type: ignore[arg-type]
+                    loss.backward()
+                result.losses.append(float(loss.detach()))
+        except Exception:
+            result.error = traceback.format_exc(limit=-8)
+            break
+        grads = wrapped.full_grads()
+        differ, rank_diff = _compare_across_ranks(grads)
+
+        for micro in range(cell.accum):
+            batches = [make_batch(case, config, r, step, micro, cell.rows) for r in range(world)]
+            case.compute(reference.model, case.concat(batches), reference_extras).backward()  # type: ignore[arg-type]
+        ref_grads = reference.full_grads()
+
+        result.params = len(grads)
+        result.differ = max(result.differ, differ)
+        result.max_rank_diff = max(result.max_rank_diff, rank_diff)
+        result.max_ref_diff = max(result.max_ref_diff, _max_diff(grads, ref_grads))
+        wrapped.step()
+        reference.step()
+    result.fell_back = bool(set(_isolated_losses) - isolated_before)
+    result.seconds = time.perf_counter() - start
+    return result.to_dict()

@@ -1,0 +1,180 @@
+"""Losses that read ``lm_head.weight`` directly instead of calling the module: the pattern that skips the
+wrapper's forward. Each knows how to make a per-rank batch and how to concatenate rank batches into the global
+batch a single process would see, so gradient truth can be checked for pairwise losses (DPO) too."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from .models import TinyCausalLM, TinyConfig, build_model
+
+Batch = dict[str, torch.Tensor]
+
+
+def _ids(config: TinyConfig, rows: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, config.vocab, (rows, config.seq), generator=generator)
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+@dataclass
+class LossCase:
+    """One loss: how to make data for it and how to compute it from the *unwrapped* model."""
+
+    name: str
+    make_batch: Callable[[TinyConfig, torch.Generator, int], Batch]
+    compute: Callable[[TinyCausalLM, Batch, dict[str, Any]], torch.Tensor]
+    requires: str | None = None  # optional package
+    extras: Callable[[TinyConfig], dict[str, Any]] = field(default=lambda config: {})
+    config: TinyConfig = TinyConfig()  # the default model size for this loss
+
+    def available(self) -> bool:
+        return self.requires is None or importlib.util.find_spec(self.requires) is not None
+
+    def concat(self, batches: list[Batch]) -> Batch:
+        # Key by key, so DPO's chosen and rejected halves stay grouped as a single process would see them.
+        return {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
+
+
+# --- plain fused cross-entropy -------------------------------------------------------------------------------
+
+
+def _ce_batch(config: TinyConfig, generator: torch.Generator, rows: int) -> Batch:
+    ids = _ids(config, rows, generator)
+    return {"input_ids": ids, "labels": torch.roll(ids, -1, dims=1)}
+
+
+def _fused_ce(model: TinyCausalLM, batch: Batch, extras: dict[str, Any]) -> torch.Tensor:
+    hidden = model(batch["input_ids"])
+    logits = hidden @ model.lm_head.weight.t()  # the weight, not the module: the fused-loss pattern
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+
+
+# --- Liger chunked preference losses (torch.func inside torch.compile) --------------------------------------
+
+# Large enough that the two requires-grad heads span >= 2 DDP buckets: the seed's crash.
+LIGER_CONFIG = TinyConfig(vocab=8192, hidden=256, layers=1, seq=8)
+
+
+def _reference_extras(config: TinyConfig) -> dict[str, Any]:
+    """A reference model whose head is *not* frozen, as TRL's DPO loads it."""
+    ref_backbone = build_model(config, seed=1).requires_grad_(False)
+    ref_head = copy.deepcopy(ref_backbone.lm_head).requires_grad_(True)
+    return {"ref_backbone": ref_backbone, "ref_head": ref_head}
+
+
+def _pair_batch(config: TinyConfig, generator: torch.Generator, rows: int) -> Batch:
+    return {"chosen": _ids(config, rows, generator), "rejected": _ids(config, rows, generator)}
+
+
+def _liger_dpo(model: TinyCausalLM, batch: Batch, extras: dict[str, Any]) -> torch.Tensor:
+    from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
+
+    ids = torch.cat([batch["chosen"], batch["rejected"]])
+    target = torch.roll(ids, -1, dims=1)
+    hidden = model(ids)
+    with torch.no_grad():
+        ref_hidden = extras["ref_backbone"](ids)
+    loss_fn = extras.setdefault("dpo", LigerFusedLinearDPOLoss(beta=0.1))  # compiled=True: the default
+    return _first(
+        loss_fn(model.lm_head.weight, hidden, target, ref_input=ref_hidden, ref_weight=extras["ref_head"].weight)
+    )
+
+
+def _kto_batch(config: TinyConfig, generator: torch.Generator, rows: int) -> Batch:
+    ids = _ids(config, rows, generator)
+    return {"input_ids": ids, "preference": torch.arange(rows) % 2 == 0}
+
+
+def _liger_kto(model: TinyCausalLM, batch: Batch, extras: dict[str, Any]) -> torch.Tensor:
+    from liger_kernel.chunked_loss import LigerFusedLinearKTOLoss
+
+    ids = batch["input_ids"]
+    hidden = model(ids)
+    with torch.no_grad():
+        ref_hidden = extras["ref_backbone"](ids)
+    loss_fn = extras.setdefault("kto", LigerFusedLinearKTOLoss(use_ref_model=True))
+    return _first(
+        loss_fn(
+            hidden,
+            model.lm_head.weight,
+            torch.roll(ids, -1, dims=1),
+            preference_labels=batch["preference"],
+            ref_input=ref_hidden,
+            ref_weight=extras["ref_head"].weight,
+        )
+    )
+
+
+# --- a hand-written torch.func chunked loss -------------------------------------------------------------------
+
+
+class _ChunkedCE(torch.autograd.Function):
+    """Cross-entropy whose gradients are computed in forward, chunk by chunk, with ``torch.func``: the
+    structure of Liger's losses without Liger."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        rows = hidden.shape[0]
+
+        def chunk_loss(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(h @ w.t(), y, reduction="sum") / rows
+
+        grad_and_value = torch.func.grad_and_value(chunk_loss, argnums=(0, 1))
+        grad_hidden = torch.zeros_like(hidden)
+        grad_weight = torch.zeros_like(weight)
+        loss = hidden.new_zeros(())
+        for h, y, gh in zip(hidden.split(4), labels.split(4), grad_hidden.split(4), strict=True):
+            (g_h, g_w), value = grad_and_value(h, weight, y)
+            gh.copy_(g_h)
+            grad_weight += g_w
+            loss += value
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_output, grad_weight * grad_output, None
+
+
+def _func_chunked(model: TinyCausalLM, batch: Batch, extras: dict[str, Any]) -> torch.Tensor:
+    hidden = model(batch["input_ids"]).flatten(0, 1)
+    out: torch.Tensor = _ChunkedCE.apply(hidden, model.lm_head.weight, batch["labels"].flatten())
+    return out
+
+
+LOSSES: dict[str, LossCase] = {
+    "fused_ce": LossCase("fused_ce", _ce_batch, _fused_ce),
+    "liger_dpo": LossCase(
+        "liger_dpo",
+        _pair_batch,
+        _liger_dpo,
+        requires="liger_kernel",
+        extras=_reference_extras,
+        config=LIGER_CONFIG,
+    ),
+    "liger_kto": LossCase(
+        "liger_kto",
+        _kto_batch,
+        _liger_kto,
+        requires="liger_kernel",
+        extras=_reference_extras,
+        config=TinyConfig(vocab=2048, hidden=64, layers=1, seq=8),
+    ),
+    "func_chunked": LossCase("func_chunked", _ce_batch, _func_chunked),
+}
+
+
+def make_batch(case: LossCase, config: TinyConfig, rank: int, step: int, micro: int, rows: int = 2) -> Batch:
+    """Deterministic per (rank, step, micro-batch): any rank can rebuild every rank's batch."""
+    generator = torch.Generator().manual_seed(10_000 + 1000 * step + 100 * micro + rank)
+    return case.make_batch(config, generator, rows)

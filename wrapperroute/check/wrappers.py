@@ -1,0 +1,68 @@
+"""How to wrap the tiny model in each distributed wrapper, and how to read back full gradients."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Wrapped:
+    model: nn.Module  # what the trainer holds
+    inner: nn.Module  # what the loss reads
+    no_sync: Callable[[], contextlib.AbstractContextManager[Any]]
+    full_grads: Callable[[], dict[str, torch.Tensor]]
+    step: Callable[[], None]  # optimizer step (+ zero_grad)
+
+
+@dataclass(frozen=True)
+class WrapperCase:
+    name: str
+    build: Callable[[nn.Module, dict[str, Any]], Wrapped]
+    requires: str | None = None
+
+    def available(self) -> bool:
+        return self.requires is None or importlib.util.find_spec(self.requires) is not None
+
+
+def _replicated_grads(inner: nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
+    def grads() -> dict[str, torch.Tensor]:
+        return {
+            name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+            for name, p in inner.named_parameters()
+        }
+
+    return grads
+
+
+def _sgd(params: Iterator[nn.Parameter]) -> Callable[[], None]:
+    optimizer = torch.optim.SGD(params, lr=0.5)
+
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def build_none(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
+    return Wrapped(model, model, contextlib.nullcontext, _replicated_grads(model), _sgd(model.parameters()))
+
+
+def build_ddp(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, **opts)
+    return Wrapped(ddp, model, ddp.no_sync, _replicated_grads(model), _sgd(ddp.parameters()))
+
+
+WRAPPERS: dict[str, WrapperCase] = {
+    "none": WrapperCase("none", build_none),
+    "ddp": WrapperCase("ddp", build_ddp),
+}

@@ -1,0 +1,88 @@
+"""``detect(model)``: which wrapper is this, and what is inside it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .adapters import Adapter, registered
+from .errors import RouteTypeError
+
+_MAX_LAYERS = 32  # a chain deeper than this is a cycle, not a model
+
+
+@dataclass(frozen=True)
+class Detection:
+    """What :func:`detect` found.
+
+    kind
+        ``"none"`` or the outermost distributed wrapper's family: ``"ddp"``, ``"fsdp1"``, ``"fsdp2"``,
+        ``"deepspeed"``.
+    chain
+        The layers peeled, outermost first, ending with ``"module"``: e.g. ``("compile", "ddp", "module")``.
+    wrapper
+        The distributed wrapper whose forward :func:`route_loss` calls (``None`` when ``kind == "none"``).
+    inner
+        The innermost module: what a trainer calls the unwrapped model.
+    details
+        Family-specific facts (``{"zero_stage": 3}``, DDP flags...).
+    """
+
+    kind: str
+    chain: tuple[str, ...]
+    wrapper: nn.Module | None = field(repr=False)
+    inner: nn.Module = field(repr=False)
+    layers: tuple[nn.Module, ...] = field(repr=False)
+    details: dict[str, Any] = field(default_factory=dict)
+    adapter: Adapter | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def distributed(self) -> bool:
+        return self.wrapper is not None
+
+
+def detect(model: nn.Module) -> Detection:
+    """Peel every known layer off ``model`` and report the outermost distributed wrapper.
+
+    Sees through ``torch.compile``, DDP, FSDP1, FSDP2, DeepSpeed engines and PEFT models in any order.
+    Accelerate adds no layer of its own (it returns these same wrappers), so it needs no entry.
+    """
+    if not isinstance(model, nn.Module):
+        raise RouteTypeError(
+            f"model must be a torch.nn.Module (the wrapped model your trainer calls), got {type(model).__name__}"
+        )
+    adapters = registered()
+    chain: list[str] = []
+    layers: list[nn.Module] = []
+    wrapper: nn.Module | None = None
+    wrapper_adapter: Adapter | None = None
+    module = model
+    applied: set[tuple[int, int]] = set()  # (id(adapter), id(module)): FSDP2 peels to the same object
+    while len(chain) < _MAX_LAYERS:
+        for adapter in adapters:
+            key = (id(adapter), id(module))
+            if key not in applied and adapter.claims(module):
+                applied.add(key)
+                chain.append(adapter.kind)
+                layers.append(module)
+                if adapter.distributed and wrapper is None:
+                    wrapper, wrapper_adapter = module, adapter
+                module = adapter.peel(module)
+                break
+        else:
+            break
+    chain.append("module")
+    layers.append(module)
+    if wrapper is None or wrapper_adapter is None:
+        return Detection("none", tuple(chain), None, module, tuple(layers))
+    return Detection(
+        wrapper_adapter.kind,
+        tuple(chain),
+        wrapper,
+        module,
+        tuple(layers),
+        wrapper_adapter.describe(wrapper),
+        wrapper_adapter,
+    )

@@ -1,0 +1,28 @@
+"""Exceptions raised by wrapperroute.
+
+Every error is a :class:`WrapperRouteError`; each also subclasses the builtin a caller would naturally catch
+(``TypeError`` for a wrong argument type, ``ValueError`` for a wrong value, ``RuntimeError`` for a state
+problem), so ``except TypeError`` keeps working in code that predates this library.
+"""
+
+from __future__ import annotations
+
+
+class WrapperRouteError(Exception):
+    """Base class of every error raised by wrapperroute."""
+
+
+class RouteTypeError(WrapperRouteError, TypeError):
+    """An argument has the wrong type (``fn`` not callable, ``model`` not an ``nn.Module``...)."""
+
+
+class RouteValueError(WrapperRouteError, ValueError):
+    """An argument has the right type but a wrong value (``unwrapped`` not inside ``model``, bad ``mode``...)."""
+
+
+class RouteStateError(WrapperRouteError, RuntimeError):
+    """The wrapper or process state does not allow routing now (process group missing, re-entry...)."""
+
+
+class GradSyncError(WrapperRouteError, RuntimeError):
+    """Gradients were produced while the distributed wrapper was not armed (raised by :func:`guard`)."""
