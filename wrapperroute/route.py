@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeVar
 
 from torch import nn
 
+from ._kept import kept_forward_context
 from .adapters import Adapter
 from .detect import Detection, detect
 from .errors import RouteStateError, RouteTypeError, RouteValueError
@@ -100,11 +101,15 @@ _redirections_lock = threading.Lock()
 
 def _make_dispatch(target: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
     target_id = id(target)
+    kept = kept_forward_context(target, original)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if len(args) == 1 and not kwargs and type(args[0]) is _Call:
             _thread.pending.pop(target_id, None)
-            return args[0].run()
+            if kept is None:
+                return args[0].run()
+            with kept():
+                return args[0].run()
         if target_id in _thread.pending:
             raise RouteStateError(
                 f"the wrapper did not pass wrapperroute's call token to {type(target).__name__}.forward "

@@ -13,7 +13,11 @@ from .compile import CompileAdapter
 from .ddp import DDPAdapter
 
 _CORE: tuple[Adapter, ...] = (CompileAdapter(), DDPAdapter())
-_OPTIONAL: dict[str, tuple[str, str]] = {}  # package name -> (module path, adapter class name)
+# package name -> (module path, adapter class name)
+_OPTIONAL: dict[str, tuple[str, str]] = {
+    "deepspeed": ("wrapperroute.adapters.deepspeed", "DeepSpeedAdapter"),
+    "peft": ("wrapperroute.adapters.peft", "PeftAdapter"),
+}
 _loaded_optional: dict[str, Adapter] = {}
 
 

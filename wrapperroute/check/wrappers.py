@@ -23,12 +23,22 @@ class Wrapped:
 
 @dataclass(frozen=True)
 class WrapperCase:
+    """``builder`` is ``"module:function"``, imported on first use so optional packages stay optional."""
+
     name: str
-    build: Callable[[nn.Module, dict[str, Any]], Wrapped]
+    builder: str
     requires: str | None = None
+    defaults: tuple[tuple[str, Any], ...] = ()  # options merged under the cell's own
 
     def available(self) -> bool:
         return self.requires is None or importlib.util.find_spec(self.requires) is not None
+
+    def build(self, model: nn.Module, opts: dict[str, Any]) -> Wrapped:
+        module_name, function_name = self.builder.split(":")
+        build: Callable[[nn.Module, dict[str, Any]], Wrapped] = getattr(
+            importlib.import_module(module_name), function_name
+        )
+        return build(model, {**dict(self.defaults), **opts})
 
 
 def _replicated_grads(inner: nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
@@ -63,6 +73,6 @@ def build_ddp(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
 
 
 WRAPPERS: dict[str, WrapperCase] = {
-    "none": WrapperCase("none", build_none),
-    "ddp": WrapperCase("ddp", build_ddp),
+    "none": WrapperCase("none", f"{__name__}:build_none"),
+    "ddp": WrapperCase("ddp", f"{__name__}:build_ddp"),
 }
