@@ -115,7 +115,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
                         )
                     else:
                         loss = case.compute(wrapped.inner, batch, extras)  # type: ignore[arg-type]
-                    loss.backward()
+                    wrapped.backward(loss)
                 result.losses.append(float(loss.detach()))
         except Exception:
             result.error = traceback.format_exc(limit=-8)

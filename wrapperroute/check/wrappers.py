@@ -19,6 +19,7 @@ class Wrapped:
     no_sync: Callable[[], contextlib.AbstractContextManager[Any]]
     full_grads: Callable[[], dict[str, torch.Tensor]]
     step: Callable[[], None]  # optimizer step (+ zero_grad)
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward  # DeepSpeed: engine.backward
 
 
 @dataclass(frozen=True)
@@ -75,4 +76,12 @@ def build_ddp(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
 WRAPPERS: dict[str, WrapperCase] = {
     "none": WrapperCase("none", f"{__name__}:build_none"),
     "ddp": WrapperCase("ddp", f"{__name__}:build_ddp"),
+    "fsdp1": WrapperCase("fsdp1", "wrapperroute.check.wrap_fsdp:build_fsdp1"),
+    "fsdp2": WrapperCase("fsdp2", "wrapperroute.check.wrap_fsdp:build_fsdp2"),
+    **{
+        f"zero{stage}": WrapperCase(
+            f"zero{stage}", "wrapperroute.check.wrap_deepspeed:build_zero", "deepspeed", (("stage", stage),)
+        )
+        for stage in range(4)
+    },
 }
