@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-
 from collections.abc import Iterator
 
 import pytest

@@ -16,6 +16,7 @@ Only our own child processes are ever unpickled, over their private pipes.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import tempfile
@@ -54,7 +55,8 @@ def _watch_parent(parent_pid: int) -> None:
 
 def _worker(rank: int, world_size: int, store_path: str, conn: Connection, env: dict[str, str]) -> None:
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     threading.Thread(target=_watch_parent, args=(int(env["WRAPPERROUTE_PARENT_PID"]),), daemon=True).start()
     import torch
     import torch.distributed as dist
@@ -157,10 +159,8 @@ class RankPool:
 
     def close(self) -> None:
         for conn in self._conns:
-            try:
+            with contextlib.suppress(Exception):
                 conn.send(None)
-            except Exception:
-                pass
         deadline = time.monotonic() + 5.0
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))

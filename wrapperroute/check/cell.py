@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..route import _isolated_losses, route_loss
+from ..route import Mode, _isolated_losses, route_loss
 from .losses import LOSSES, make_batch
 from .models import TinyConfig, build_model
 from .wrappers import WRAPPERS, build_none
@@ -31,7 +31,7 @@ class Cell:
     wrapper: str = "ddp"
     loss: str = "fused_ce"
     routed: bool = True
-    mode: str = "auto"
+    mode: Mode = "auto"
     steps: int = 1
     accum: int = 1  # micro-batches per step; all but the last under the wrapper's no_sync
     wrapper_opts: dict[str, Any] = field(default_factory=dict)
@@ -125,7 +125,8 @@ def run_cell(cell: Cell) -> dict[str, Any]:
 
         for micro in range(cell.accum):
             batches = [make_batch(case, config, r, step, micro, cell.rows) for r in range(world)]
-            case.compute(reference.model, case.concat(batches), reference_extras).backward()  # type: ignore[arg-type]
+            ref_loss = case.compute(reference.model, case.concat(batches), reference_extras)  # type: ignore[arg-type]
+            (ref_loss * wrapped.loss_scale).backward()
         ref_grads = reference.full_grads()
 
         result.params = len(grads)

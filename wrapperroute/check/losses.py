@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from .models import TinyCausalLM, TinyConfig, build_model
 
 Batch = dict[str, torch.Tensor]
@@ -34,7 +35,7 @@ class LossCase:
     compute: Callable[[TinyCausalLM, Batch, dict[str, Any]], torch.Tensor]
     requires: str | None = None  # optional package
     extras: Callable[[TinyConfig], dict[str, Any]] = field(default=lambda config: {})
-    config: TinyConfig = TinyConfig()  # the default model size for this loss
+    config: TinyConfig = field(default_factory=TinyConfig)  # the default model size for this loss
 
     def available(self) -> bool:
         return self.requires is None or importlib.util.find_spec(self.requires) is not None

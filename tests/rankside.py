@@ -1,0 +1,170 @@
+"""Rank-side checks for the DDP tests: module-level so the pool can pickle them by reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from wrapperroute import route_loss
+from wrapperroute.check.cell import Cell, _compare_across_ranks, run_cell
+from wrapperroute.check.models import TinyCausalLM, TinyConfig, build_model
+
+CONFIG = TinyConfig()
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, CONFIG.vocab, (2, CONFIG.seq), generator=generator)
+    return ids, torch.roll(ids, -1, 1)
+
+
+def _loss(model: TinyCausalLM, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = model(ids) @ model.lm_head.weight.t()
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _grads(model: TinyCausalLM) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def no_sync_skips_allreduce() -> dict[str, Any]:
+    """Inside no_sync a routed backward must not all-reduce; at the sync step it must."""
+    model = build_model(CONFIG)
+    ddp = DDP(model)
+    ids, labels = _batch(dist.get_rank())
+    with ddp.no_sync():
+        route_loss(ddp, model, _loss, model, ids, labels).backward()
+    differ_inside, _ = _compare_across_ranks(_grads(model))
+    route_loss(ddp, model, _loss, model, ids, labels).backward()
+    differ_after, _ = _compare_across_ranks(_grads(model))
+    return {"differ_inside": differ_inside, "differ_after": differ_after, "params": len(_grads(model))}
+
+
+def fn_raises_then_exact() -> dict[str, Any]:
+    """An exception inside fn: forward restored, no attribute left, the next routed step exact."""
+    model = build_model(CONFIG)
+    ddp = DDP(model)
+    before = dict(model.__dict__)
+    try:
+        route_loss(ddp, model, lambda: (_ for _ in ()).throw(ValueError("boom inside the loss")))
+        raised = None
+    except ValueError as error:
+        raised = str(error)
+    restored = "forward" not in model.__dict__ and set(model.__dict__) == set(before)
+    del ddp, model
+    after = run_cell(Cell(loss="fused_ce", steps=2))
+    return {"raised": raised, "restored": restored, "after": after}
+
+
+def nested_runs_once() -> dict[str, Any]:
+    """route_loss inside fn, on the same wrapper, runs directly: the DDP forward is entered once."""
+    model = build_model(CONFIG)
+    ddp = DDP(model)
+    calls: list[int] = []
+    ddp.register_forward_pre_hook(lambda module, args: calls.append(1))
+    ids, labels = _batch(dist.get_rank())
+
+    def outer() -> torch.Tensor:
+        return route_loss(ddp, model, _loss, model, ids, labels) * 1.0
+
+    route_loss(ddp, model, outer).backward()
+    differ, _ = _compare_across_ranks(_grads(model))
+    return {"forward_calls": len(calls), "differ": differ, "forward_left": "forward" in model.__dict__}
+
+
+@dataclasses.dataclass
+class LossOutput:
+    loss: torch.Tensor
+    logits_mean: torch.Tensor
+    note: str
+
+
+def pytree_outputs(find_unused: bool) -> dict[str, Any]:
+    """fn may return a tuple, dict, dataclass or ModelOutput; DDP's output walk keeps the structure."""
+    results: dict[str, Any] = {}
+    model = build_model(CONFIG)
+    ddp = DDP(model, find_unused_parameters=find_unused)
+    ids, labels = _batch(dist.get_rank())
+
+    def as_tuple() -> tuple[torch.Tensor, int]:
+        return _loss(model, ids, labels), 7
+
+    def as_dict() -> dict[str, Any]:
+        return {"loss": _loss(model, ids, labels), "tag": "x"}
+
+    def as_dataclass() -> LossOutput:
+        loss = _loss(model, ids, labels)
+        return LossOutput(loss, loss.detach() * 0, "dc")
+
+    shapes = {}
+    for name, fn in (("tuple", as_tuple), ("dict", as_dict), ("dataclass", as_dataclass)):
+        out = route_loss(ddp, model, fn)
+        loss = out[0] if name == "tuple" else out["loss"] if name == "dict" else out.loss
+        loss.backward()
+        shapes[name] = type(out).__name__
+        differ, _ = _compare_across_ranks(_grads(model))
+        results[name] = differ
+        model.zero_grad(set_to_none=True)
+    try:
+        from transformers.modeling_outputs import CausalLMOutput
+
+        def as_model_output() -> CausalLMOutput:
+            return CausalLMOutput(loss=_loss(model, ids, labels))
+
+        out = route_loss(ddp, model, as_model_output)
+        out.loss.backward()
+        shapes["model_output"] = type(out).__name__
+        results["model_output"] = _compare_across_ranks(_grads(model))[0]
+    except ImportError:
+        pass
+    return {"differ": results, "types": shapes}
+
+
+def threads_keep_their_payloads() -> dict[str, Any]:
+    """Two threads route through one DDP model at once (no grad, so the reducer stays out of it): each gets
+    its own result and the forward is restored once both are done."""
+    model = build_model(CONFIG)
+    ddp = DDP(model)
+    barrier = threading.Barrier(2, timeout=30)
+    got: dict[str, Any] = {}
+
+    def worker(tag: str) -> None:
+        def fn() -> str:
+            barrier.wait()  # both calls are inside the wrapper's forward at the same time
+            return tag
+
+        with torch.no_grad():
+            got[tag] = route_loss(ddp, model, fn)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return {"got": got, "forward_left": "forward" in model.__dict__}
+
+
+def compiled_layers() -> dict[str, Any]:
+    """compile(DDP(model)) and DDP(compile(model)) both route through DDP's forward; the OptimizedModule's
+    own instance forward (which DDP calls in the second layout) is swapped and then put back."""
+    out = {}
+    for layout in ("compile_outside", "compile_inside"):
+        model = build_model(CONFIG)
+        wrapped = torch.compile(DDP(model)) if layout == "compile_outside" else DDP(torch.compile(model))
+        target = wrapped.module if isinstance(wrapped, DDP) else wrapped._orig_mod.module
+        forward_before = target.__dict__.get("forward")
+        ids, labels = _batch(dist.get_rank())
+        route_loss(wrapped, model, _loss, model, ids, labels).backward()
+        differ, _ = _compare_across_ranks(_grads(model))
+        out[layout] = {
+            "differ": differ,
+            "forward_restored": target.__dict__.get("forward") is forward_before,
+            "target": type(target).__name__,
+        }
+    return out

@@ -1,0 +1,88 @@
+"""Single-process checks: detection, the no-wrapper path, argument errors, and the token's journey through
+the input handling DDP applies (the multi-rank behaviour is in test_route_ddp.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import wrapperroute as wr
+from wrapperroute.check.models import TinyConfig, build_model
+from wrapperroute.route import _Call, _fallback_key, _is_graph_optimizer_failure
+
+
+def test_detect_plain_and_compiled() -> None:
+    model = build_model(TinyConfig())
+    found = wr.detect(model)
+    assert (found.kind, found.chain, found.inner, found.wrapper) == ("none", ("module",), model, None)
+    compiled = torch.compile(model)
+    found = wr.detect(compiled)
+    assert found.kind == "none" and found.chain == ("compile", "module") and found.inner is model
+    with pytest.raises(AttributeError):
+        found.kind = "ddp"  # type: ignore[misc]  # immutable
+
+
+def test_no_wrapper_calls_fn_directly() -> None:
+    model = build_model(TinyConfig())
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    out = wr.route_loss(model, model, lambda x, scale=1.0: model(x).sum() * scale, ids, scale=2.0)
+    assert torch.allclose(out, model(ids).sum() * 2.0)
+    assert "forward" not in model.__dict__
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "words"),
+    [
+        (lambda m: wr.route_loss(m, m, 3), wr.RouteTypeError, "fn must be callable"),
+        (lambda m: wr.route_loss("model", None, lambda: 0), wr.RouteTypeError, "model must be a torch.nn.Module"),
+        (lambda m: wr.route_loss(m, "inner", lambda: 0), wr.RouteTypeError, "unwrapped must be an nn.Module"),
+        (lambda m: wr.route_loss(m, nn.Linear(2, 2), lambda: 0), wr.RouteValueError, "is not inside model"),
+        (lambda m: wr.route_loss(m, m, lambda: 0, mode="fast"), wr.RouteValueError, "mode must be one of"),
+        (lambda m: wr.route_loss(m, m, lambda: 0, gather=[3]), wr.RouteTypeError, "gather= takes nn.Module"),
+        (lambda m: wr.route_loss(m, m, lambda: 0, gather=nn.Linear(1, 1)), wr.RouteValueError, "not inside"),
+    ],
+    ids=["fn", "model", "unwrapped-type", "unwrapped-outside", "mode", "gather-type", "gather-outside"],
+)
+def test_bad_input_is_named(call, error, words) -> None:  # type: ignore[no-untyped-def]
+    model = build_model(TinyConfig())
+    with pytest.raises(error, match=words) as info:
+        call(model)
+    assert isinstance(info.value, wr.WrapperRouteError)
+    assert "forward" not in model.__dict__
+
+
+def test_submodule_is_accepted_as_unwrapped() -> None:
+    model = build_model(TinyConfig())
+    assert wr.route_loss(model, model.lm_head, lambda: 5) == 5
+
+
+def test_token_survives_ddp_input_handling() -> None:
+    """DDP moves (``_to_kwargs``) and casts (``_cast_forward_inputs``) its inputs: the token, a plain object
+    that is neither tensor nor container, must come out as the very same object. This is what makes a call
+    with ``device_ids`` set work (no GPU here to run DDP with device_ids)."""
+    from torch.distributed.utils import _cast_forward_inputs, _to_kwargs
+
+    call = _Call(nn.Linear(1, 1), None, print, (), {}, False, ())  # type: ignore[arg-type]
+    moved_args, moved_kwargs = _to_kwargs((call,), {}, torch.device("cpu"), False)
+    assert moved_args[0][0] is call and moved_kwargs[0] == {}
+    cast_args, _ = _cast_forward_inputs(torch.bfloat16, call)
+    assert cast_args[0] is call
+
+
+def test_fallback_key_is_stable_across_closures() -> None:
+    def make() -> object:
+        return lambda: 1
+
+    assert _fallback_key(make()) == _fallback_key(make())
+    import functools
+
+    assert _fallback_key(functools.partial(make)) == _fallback_key(make)
+
+
+def test_graph_optimizer_failure_is_recognised_through_the_chain() -> None:
+    inner = NotImplementedError("Cannot access storage of TensorWrapper")
+    outer = RuntimeError("backend compiler failed")
+    outer.__cause__ = inner
+    assert _is_graph_optimizer_failure(outer)
+    assert not _is_graph_optimizer_failure(RuntimeError("shape mismatch"))
