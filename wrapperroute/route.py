@@ -53,7 +53,7 @@ _isolated_losses: set[object] = set()
 class _Call:
     """The token handed to the wrapper: the loss and everything needed to run it inside the forward."""
 
-    __slots__ = ("adapter", "args", "fn", "gather", "isolate", "kwargs", "wrapper")
+    __slots__ = ("adapter", "args", "fn", "gather", "isolate", "kwargs", "nested", "wrapper")
 
     def __init__(
         self,
@@ -64,6 +64,7 @@ class _Call:
         kwargs: dict[str, Any],
         isolate: bool,
         gather: tuple[nn.Module, ...],
+        nested: tuple[nn.Module, ...] = (),
     ) -> None:
         self.wrapper = wrapper
         self.adapter = adapter
@@ -72,18 +73,46 @@ class _Call:
         self.kwargs = kwargs
         self.isolate = isolate
         self.gather = gather
+        self.nested = nested
 
     def run(self) -> Any:
         key = id(self.wrapper)
         _thread.routing.add(key)
         try:
-            with self.adapter.inside(self.wrapper, isolate=self.isolate, gather=self.gather):
+            with _wrapper_passthrough(self.wrapper, self.adapter), self.adapter.inside(
+                self.wrapper, isolate=self.isolate, gather=self.gather
+            ):
+                if self.nested:  # a shard unit the loss reads from: enter its forward too
+                    unit, rest = self.nested[0], self.nested[1:]
+                    return _call_through(
+                        unit, self.adapter, self.fn, self.args, self.kwargs, self.isolate, self.gather, rest
+                    )
                 return self.fn(*self.args, **self.kwargs)
         finally:
             _thread.routing.discard(key)
 
     def __repr__(self) -> str:  # shows up in wrapper error messages; keep it short
         return f"<wrapperroute call of {getattr(self.fn, '__qualname__', type(self.fn).__name__)}>"
+
+
+@contextmanager
+def _wrapper_passthrough(wrapper: nn.Module, adapter: Adapter) -> Iterator[None]:
+    """While the loss runs, a call of the wrapper itself (``fn`` calling ``model(...)``) is a plain call of
+    the inner module: the wrapper is already prepared, and running its pre/post-forward again would re-arm
+    DDP's reducer or reshard FSDP parameters in the middle of the loss."""
+    target = adapter.redirect_target(wrapper)
+    if target is wrapper:  # FSDP2: the adapter sets the hooks aside instead
+        yield
+        return
+    saved = wrapper.__dict__.get("forward", _MISSING)
+    wrapper.__dict__["forward"] = target
+    try:
+        yield
+    finally:
+        if saved is _MISSING:
+            wrapper.__dict__.pop("forward", None)
+        else:
+            wrapper.__dict__["forward"] = saved
 
 
 class _Redirection:
@@ -263,11 +292,12 @@ def route_loss(
         # Already inside this wrapper's forward: it is armed for this step; entering again would clobber it.
         return fn(*args, **kwargs)
     adapter.validate_gather(wrapper, modules)
+    nested = adapter.nested_units(wrapper, modules)
 
     key = _fallback_key(fn)
     isolate = mode == "isolate" or (mode == "auto" and key in _isolated_losses)
     try:
-        return _call_through(wrapper, adapter, fn, args, kwargs, isolate, modules)
+        return _call_through(wrapper, adapter, fn, args, kwargs, isolate, modules, nested)
     except Exception as error:
         if mode != "auto" or isolate or not _is_graph_optimizer_failure(error):
             raise
@@ -277,7 +307,7 @@ def route_loss(
         "running it isolated from that optimizer from now on. Pass mode='isolate' to skip the first attempt.",
         getattr(fn, "__qualname__", type(fn).__name__),
     )
-    return _call_through(wrapper, adapter, fn, args, kwargs, True, modules)
+    return _call_through(wrapper, adapter, fn, args, kwargs, True, modules, nested)
 
 
 def _call_through(
@@ -288,8 +318,9 @@ def _call_through(
     kwargs: dict[str, Any],
     isolate: bool,
     gather: tuple[nn.Module, ...],
+    nested: tuple[nn.Module, ...] = (),
 ) -> T:
-    call = _Call(wrapper, adapter, fn, args, kwargs, isolate, gather)
+    call = _Call(wrapper, adapter, fn, args, kwargs, isolate, gather, nested)
     with _redirected(adapter.redirect_target(wrapper), call):
         result: T = wrapper(call)
     return result

@@ -11,8 +11,10 @@ import sys
 from .base import Adapter
 from .compile import CompileAdapter
 from .ddp import DDPAdapter
+from .fsdp1 import FSDP1Adapter
+from .fsdp2 import FSDP2Adapter
 
-_CORE: tuple[Adapter, ...] = (CompileAdapter(), DDPAdapter())
+_CORE: tuple[Adapter, ...] = (CompileAdapter(), DDPAdapter(), FSDP1Adapter(), FSDP2Adapter())
 # package name -> (module path, adapter class name)
 _OPTIONAL: dict[str, tuple[str, str]] = {
     "deepspeed": ("wrapperroute.adapters.deepspeed", "DeepSpeedAdapter"),

@@ -59,6 +59,13 @@ class Adapter:
         """
         yield
 
+    def nested_units(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
+        """Shard units below the wrapper whose forward must also run for the loss (outermost first).
+
+        ``gather`` names the modules the loss reads; when empty, a sharded wrapper may pick them itself.
+        """
+        return ()
+
     def validate_gather(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> None:
         """Reject ``gather=`` entries this wrapper cannot honour.
 

@@ -1,0 +1,44 @@
+"""Shared by the FSDP adapters: which nested shard unit owns a module the loss reads.
+
+A fused loss reads ``lm_head.weight`` directly. When ``lm_head`` is its own shard unit, the root's forward
+does not unshard it: only that unit's own forward does. So we route through that unit's forward too, which
+also registers its post-backward reduce-scatter exactly as a normal forward would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+
+def output_embedding(model: nn.Module) -> nn.Module | None:
+    """The module a fused loss reads by convention: HF's output embeddings, else ``lm_head``."""
+    getter = getattr(model, "get_output_embeddings", None)
+    if callable(getter):
+        try:
+            found = getter()
+        except (AttributeError, NotImplementedError):
+            found = None
+        if isinstance(found, nn.Module):
+            return found
+    head = getattr(model, "lm_head", None)
+    return head if isinstance(head, nn.Module) else None
+
+
+def owning_units(
+    root: nn.Module, modules: tuple[nn.Module, ...], is_unit: Callable[[nn.Module], bool]
+) -> tuple[nn.Module, ...]:
+    """For each module, the innermost shard unit below ``root`` containing it (``root`` itself needs no
+    extra step), outermost first, without duplicates."""
+    units: list[nn.Module] = []
+    for target in modules:
+        owner: nn.Module | None = None
+        for candidate in root.modules():
+            if candidate is root or not is_unit(candidate):
+                continue
+            if any(sub is target for sub in candidate.modules()):
+                owner = candidate  # modules() is pre-order, so a later match is deeper
+        if owner is not None and all(owner is not u for u in units):
+            units.append(owner)
+    return tuple(units)

@@ -1,0 +1,59 @@
+"""FullyShardedDataParallel (FSDP1).
+
+The root's forward unshards the root unit's flat parameter and its post-backward hooks reduce-scatter.
+Units nested inside (``lm_head`` wrapped on its own) are only unsharded in their own forward, so loss reads of
+their weights are routed through them as well (see ``_units.py``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+
+from ._units import output_embedding, owning_units
+from .base import Adapter
+
+_auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, ...]] = weakref.WeakKeyDictionary()
+
+
+def _is_unit(module: nn.Module) -> bool:
+    return isinstance(module, FullyShardedDataParallel)
+
+
+class FSDP1Adapter(Adapter):
+    kind = "fsdp1"
+    distributed = True
+
+    def claims(self, module: nn.Module) -> bool:
+        return isinstance(module, FullyShardedDataParallel)
+
+    def peel(self, module: nn.Module) -> nn.Module:
+        inner: nn.Module = module.module  # type: ignore[assignment]
+        return inner
+
+    def redirect_target(self, wrapper: nn.Module) -> nn.Module:
+        target: nn.Module = wrapper._fsdp_wrapped_module  # type: ignore[assignment]
+        return target
+
+    def in_forward(self, wrapper: nn.Module) -> bool:
+        handle = getattr(wrapper, "_handle", None)
+        state = getattr(handle, "_training_state", None)
+        return state is not None and state.name == "FORWARD"
+
+    def describe(self, wrapper: nn.Module) -> dict[str, Any]:
+        return {
+            "use_orig_params": getattr(wrapper, "_use_orig_params", None),
+            "nested_units": sum(1 for m in wrapper.modules() if _is_unit(m)) - 1,
+        }
+
+    def nested_units(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
+        if gather:
+            return owning_units(wrapper, gather, _is_unit)
+        units = _auto_units.get(wrapper)
+        if units is None:
+            head = output_embedding(self.peel(wrapper))
+            units = _auto_units[wrapper] = owning_units(wrapper, (head,), _is_unit) if head is not None else ()
+        return units

@@ -1,0 +1,73 @@
+"""``fully_shard`` (FSDP2): no wrapper object. The module's class becomes ``FSDP<Cls>`` and FSDP's logic runs
+in forward hooks, so the root *is* the model: we swap the root's own forward and call it.
+
+Two consequences handled here:
+- a loss that calls the root model again (natural: with FSDP2, the "unwrapped" model is the root) would run
+  FSDP's hooks a second time and reshard mid-loss; while the loss runs the unit's hooks are set aside, so such
+  a call is a plain forward over parameters that are already unsharded;
+- groups nested below the root (``fully_shard(lm_head)``) unshard only in their own forward: loss reads of
+  their weights are routed through them too (see ``_units.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+try:  # exported here since torch 2.6
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # torch 2.4-2.5
+    from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
+
+from ._units import output_embedding, owning_units
+from .base import Adapter
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs")
+_auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, ...]] = weakref.WeakKeyDictionary()
+
+
+def _is_unit(module: nn.Module) -> bool:
+    return isinstance(module, FSDPModule)
+
+
+class FSDP2Adapter(Adapter):
+    kind = "fsdp2"
+    distributed = True
+
+    def claims(self, module: nn.Module) -> bool:
+        return isinstance(module, FSDPModule)
+
+    def peel(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def in_forward(self, wrapper: nn.Module) -> bool:
+        state = wrapper._get_fsdp_state()  # type: ignore[operator]
+        return getattr(state, "_training_state", None) is not None and state._training_state.name == "FORWARD"
+
+    def describe(self, wrapper: nn.Module) -> dict[str, Any]:
+        return {"nested_groups": sum(1 for m in wrapper.modules() if _is_unit(m)) - 1}
+
+    def nested_units(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
+        if gather:
+            return owning_units(wrapper, gather, _is_unit)
+        units = _auto_units.get(wrapper)
+        if units is None:
+            head = output_embedding(wrapper)
+            units = _auto_units[wrapper] = owning_units(wrapper, (head,), _is_unit) if head is not None else ()
+        return units
+
+    @contextlib.contextmanager
+    def inside(self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]) -> Iterator[None]:
+        # Set FSDP's hooks aside (not cleared in place: the dicts are FSDP's own objects).
+        saved = {name: getattr(wrapper, name) for name in _HOOK_DICTS}
+        for name, hooks in saved.items():
+            setattr(wrapper, name, type(hooks)())
+        try:
+            yield
+        finally:
+            for name, hooks in saved.items():
+                setattr(wrapper, name, hooks)

@@ -1,0 +1,103 @@
+"""FSDP1 and FSDP2 on CPU gloo, with the layouts that matter: root-only, and ``lm_head`` (plus each block, for
+FSDP2) as its own shard unit, which is the layout a plain root redirection gets wrong."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .wrappers import Wrapped, _sgd
+
+
+def _clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def build_fsdp1(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
+    """opts: ``use_orig_params`` (default True), ``lm_head_unit`` (wrap lm_head on its own, default False)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    use_orig_params = opts.get("use_orig_params", True)
+    common = {"device_id": torch.device("cpu"), "use_orig_params": use_orig_params}
+    if opts.get("lm_head_unit", False):
+        model.lm_head = FSDP(model.lm_head, **common)  # type: ignore[assignment]
+    fsdp = FSDP(model, **common)
+
+    def full_grads() -> dict[str, torch.Tensor]:
+        # The grad of each unit's flat parameter is this rank's shard: gather it and cut it back into the
+        # original parameters (works for use_orig_params True and False alike).
+        grads: dict[str, torch.Tensor] = {}
+        for unit in FSDP.fsdp_modules(fsdp):
+            handle = unit._handle
+            if handle is None:
+                continue
+            flat = handle.flat_param
+            shard = flat.grad if flat.grad is not None else torch.zeros_like(flat)
+            pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+            dist.all_gather(pieces, shard.detach().contiguous())
+            full = torch.cat(pieces)
+            prefix = ""
+            for name, module in fsdp.named_modules():
+                if module is unit:
+                    prefix = _clean(name) + "." if name else ""
+            offset = 0
+            for fqn, shape, numel in zip(flat._fqns, flat._shapes, flat._numels, strict=True):
+                grads[prefix + _clean(fqn)] = full[offset : offset + numel].view(shape).clone()
+                offset += numel
+        return grads
+
+    return Wrapped(fsdp, fsdp.module, fsdp.no_sync, full_grads, _sgd(fsdp.parameters()))
+
+
+def build_fsdp2(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
+    """opts: ``groups`` ("root": root only; "layers": each block and lm_head their own group; "layers_tied":
+    blocks their own groups, embedding and tied lm_head one group), ``mp`` (a
+    ``param_dtype`` name for ``MixedPrecisionPolicy``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import (  # type: ignore[no-redef]
+            FSDPModule,
+            MixedPrecisionPolicy,
+            fully_shard,
+        )
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if opts.get("mp"):
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, opts["mp"]))
+    groups = opts.get("groups", "root")
+    if groups in ("layers", "layers_tied"):
+        for block in model.blocks:  # type: ignore[union-attr]
+            fully_shard(block, **kwargs)
+        if groups == "layers_tied":  # a tied embedding and head must share one group
+            fully_shard([model.embed, model.lm_head], **kwargs)  # type: ignore[list-item]
+        else:
+            fully_shard(model.lm_head, **kwargs)
+    # The root keeps its parameters unsharded after forward by default, which hides the bug for losses that
+    # call the root itself; resharding it (a legitimate memory setting) makes an unrouted read fail.
+    fully_shard(model, reshard_after_forward=opts.get("reshard_root", True), **kwargs)
+    root: FSDPModule = model  # type: ignore[assignment]
+
+    def full_grads() -> dict[str, torch.Tensor]:
+        return {
+            name: (p.grad.full_tensor() if p.grad is not None else torch.zeros(p.shape)).detach().clone()
+            for name, p in model.named_parameters()
+        }
+
+    @contextlib.contextmanager
+    def no_sync() -> Iterator[None]:
+        root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+
+    return Wrapped(model, model, no_sync, full_grads, _sgd(model.parameters()))
