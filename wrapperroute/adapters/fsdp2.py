@@ -21,7 +21,7 @@ from torch import nn
 try:  # exported here since torch 2.6
     from torch.distributed.fsdp import FSDPModule
 except ImportError:  # torch 2.4-2.5
-    from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
+    from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef,unused-ignore]
 
 from ._units import output_embedding, owning_units
 from .base import Adapter

@@ -25,7 +25,7 @@ def build_fsdp1(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
     use_orig_params = opts.get("use_orig_params", True)
     common = {"device_id": torch.device("cpu"), "use_orig_params": use_orig_params}
     if opts.get("lm_head_unit", False):
-        model.lm_head = FSDP(model.lm_head, **common)  # type: ignore[assignment]
+        model.register_module("lm_head", FSDP(model.get_submodule("lm_head"), **common))
     fsdp = FSDP(model, **common)
 
     def full_grads() -> dict[str, torch.Tensor]:
@@ -59,11 +59,12 @@ def build_fsdp2(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
     blocks their own groups, embedding and tied lm_head one group), ``mp`` (a
     ``param_dtype`` name for ``MixedPrecisionPolicy``)."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     try:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import (  # type: ignore[no-redef]
+        from torch.distributed._composable.fsdp import (  # type: ignore[no-redef,unused-ignore]
             FSDPModule,
             MixedPrecisionPolicy,
             fully_shard,
@@ -75,12 +76,13 @@ def build_fsdp2(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, opts["mp"]))
     groups = opts.get("groups", "root")
     if groups in ("layers", "layers_tied"):
-        for block in model.blocks:  # type: ignore[union-attr]
+        for block in model.get_submodule("blocks").children():
             fully_shard(block, **kwargs)
+        head = model.get_submodule("lm_head")
         if groups == "layers_tied":  # a tied embedding and head must share one group
-            fully_shard([model.embed, model.lm_head], **kwargs)  # type: ignore[list-item]
+            fully_shard([model.get_submodule("embed"), head], **kwargs)
         else:
-            fully_shard(model.lm_head, **kwargs)
+            fully_shard(head, **kwargs)
     # The root keeps its parameters unsharded after forward by default, which hides the bug for losses that
     # call the root itself; resharding it (a legitimate memory setting) makes an unrouted read fail.
     fully_shard(model, reshard_after_forward=opts.get("reshard_root", True), **kwargs)
@@ -88,7 +90,7 @@ def build_fsdp2(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
 
     def full_grads() -> dict[str, torch.Tensor]:
         return {
-            name: (p.grad.full_tensor() if p.grad is not None else torch.zeros(p.shape)).detach().clone()
+            name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else torch.zeros(p.shape)).detach().clone()
             for name, p in model.named_parameters()
         }
 
