@@ -4,11 +4,14 @@ Public surface::
 
     route_loss(model, unwrapped, fn, *args, **kwargs)   # run fn inside model's wrapper forward
     detect(model)                                        # which wrapper, which layers, which inner module
+    check_grad_sync(model)                               # after backward: are gradients equal across ranks?
+    guard(model)                                         # raise when a DDP backward was never armed
 """
 
 from __future__ import annotations
 
 from .detect import Detection, detect
+from .diagnostics import SyncReport, check_grad_sync, guard
 from .errors import (
     GradSyncError,
     RouteStateError,
@@ -28,8 +31,11 @@ __all__ = [
     "RouteStateError",
     "RouteTypeError",
     "RouteValueError",
+    "SyncReport",
     "WrapperRouteError",
     "__version__",
+    "check_grad_sync",
     "detect",
+    "guard",
     "route_loss",
 ]

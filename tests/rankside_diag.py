@@ -1,0 +1,61 @@
+"""Rank-side checks for check_grad_sync and guard."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch.distributed as dist
+
+from wrapperroute import GradSyncError, check_grad_sync, guard, route_loss
+from wrapperroute.check.losses import LOSSES, make_batch
+from wrapperroute.check.models import TinyConfig, build_model
+from wrapperroute.check.wrappers import WRAPPERS
+
+CONFIG = TinyConfig()
+CASE = LOSSES["fused_ce"]
+
+
+def sync_reports(wrapper: str) -> dict[str, Any]:
+    """check_grad_sync after an unrouted and after a routed step."""
+    wrapped = WRAPPERS[wrapper].build(build_model(CONFIG), {})
+    batch = make_batch(CASE, CONFIG, dist.get_rank(), 0, 0)
+    out: dict[str, Any] = {}
+    if wrapper == "ddp":
+        CASE.compute(wrapped.inner, batch, {}).backward()  # type: ignore[arg-type]
+        report = check_grad_sync(wrapped.model)
+        out["unrouted"] = {"differing": report.differing, "compared": report.compared, "table": report.table()}
+        wrapped.inner.zero_grad(set_to_none=True)
+    route_loss(wrapped.model, wrapped.inner, CASE.compute, wrapped.inner, batch, {}).backward()
+    report = check_grad_sync(wrapped.model)
+    out["routed"] = {"differing": report.differing, "compared": report.compared, "note": report.note}
+    return out
+
+
+def guard_verdicts() -> dict[str, Any]:
+    """The guard raises on the unrouted DDP step and stays silent on normal, routed and no_sync steps."""
+    wrapped = WRAPPERS["ddp"].build(build_model(CONFIG), {})
+    model, inner = wrapped.model, wrapped.inner
+    batch = make_batch(CASE, CONFIG, dist.get_rank(), 0, 0)
+    verdicts: dict[str, Any] = {}
+
+    def attempt(name: str, step: Any, ctx: Any = contextlib.nullcontext) -> None:
+        try:
+            with guard(model), ctx():
+                step().backward()
+            verdicts[name] = "ok"
+        except GradSyncError as error:
+            verdicts[name] = "caught: " + str(error)[:60]
+        model.zero_grad(set_to_none=True)
+
+    def normal() -> Any:  # the model called through the wrapper, loss from its output
+        hidden = model(batch["input_ids"])
+        return (hidden @ inner.lm_head.weight.t()).logsumexp(-1).mean()
+
+    attempt("normal", normal)
+    attempt("routed", lambda: route_loss(model, inner, CASE.compute, inner, batch, {}))
+    attempt("no_sync_routed", lambda: route_loss(model, inner, CASE.compute, inner, batch, {}), model.no_sync)
+    attempt("no_sync_unrouted", lambda: CASE.compute(inner, batch, {}), model.no_sync)
+    attempt("unrouted", lambda: CASE.compute(inner, batch, {}))
+    attempt("routed_after", lambda: route_loss(model, inner, CASE.compute, inner, batch, {}))
+    return verdicts

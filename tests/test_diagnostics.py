@@ -1,0 +1,38 @@
+"""check_grad_sync and guard on real ranks (issue 6)."""
+
+from __future__ import annotations
+
+import pytest
+import rankside_diag
+
+from wrapperroute import RouteStateError, check_grad_sync
+from wrapperroute.check.models import TinyConfig, build_model
+from wrapperroute.ranks import RankPool
+
+
+def test_check_grad_sync_ddp(pool: RankPool) -> None:
+    for rank in pool.run(rankside_diag.sync_reports, "ddp"):
+        assert rank["unrouted"]["differing"] == rank["unrouted"]["compared"] > 0, rank
+        assert "params differing" in rank["unrouted"]["table"]
+        assert rank["routed"]["differing"] == 0 and rank["routed"]["compared"] > 0
+
+
+@pytest.mark.parametrize("wrapper", ["fsdp1", "fsdp2"])
+def test_check_grad_sync_sharded_says_what_it_compares(pool: RankPool, wrapper: str) -> None:
+    for rank in pool.run(rankside_diag.sync_reports, wrapper):
+        assert rank["routed"]["compared"] == 0 and "not compared" in rank["routed"]["note"]
+
+
+def test_check_grad_sync_needs_a_group() -> None:
+    with pytest.raises(RouteStateError, match="init_process_group"):
+        check_grad_sync(build_model(TinyConfig()))
+
+
+def test_guard(pool: RankPool) -> None:
+    for rank in pool.run(rankside_diag.guard_verdicts):
+        assert rank["normal"] == "ok"
+        assert rank["routed"] == "ok"
+        assert rank["no_sync_routed"] == "ok"
+        assert rank["no_sync_unrouted"] == "ok"  # local on purpose inside no_sync
+        assert rank["unrouted"].startswith("caught: gradients of a TinyCausalLM"), rank
+        assert rank["routed_after"] == "ok"  # no stale state after a caught step

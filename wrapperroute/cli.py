@@ -1,0 +1,192 @@
+"""``wrapperroute check`` and ``wrapperroute env``.
+
+``check`` spawns N CPU ranks on gloo itself (no torchrun), builds the embedded tiny causal LM, and runs the
+matrix {wrappers} x {losses} x {unrouted, routed}, printing the seed PR's table. Exit status: 0 when every
+routed cell is exact, 1 when any is not, 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+from .check.cell import Cell, run_cell
+from .check.losses import LOSSES
+from .check.wrappers import WRAPPERS
+
+DEFAULT_WRAPPERS = ("ddp", "fsdp1", "fsdp2", "zero1", "zero2", "zero3")
+DEFAULT_LOSSES = ("fused_ce", "liger_dpo", "liger_kto")
+PACKAGES = ("torch", "liger-kernel", "deepspeed", "accelerate", "transformers", "trl", "peft")
+
+
+class UsageError(Exception):
+    pass
+
+
+def _names(value: str | None, known: dict[str, Any], default: tuple[str, ...], what: str) -> list[str]:
+    if value is None:
+        return [n for n in default if known[n].available()]
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    for name in names:
+        if name not in known or name == "none":
+            choices = ", ".join(n for n in known if n != "none")
+            raise UsageError(f"unknown {what} {name!r}; choose from: {choices}")
+        if not known[name].available():
+            raise UsageError(f"{what} {name!r} needs the package {known[name].requires!r}, which is not installed")
+    if not names:
+        raise UsageError(f"--{what}s needs at least one name")
+    return names
+
+
+def _verdict(routed: bool, cell: dict[str, Any]) -> str:
+    exact = cell["error"] is None and cell["differ"] == 0 and cell["max_ref_diff"] <= 1e-6
+    if routed:
+        return "exact" if exact else "FAIL"
+    if cell["error"] is not None:
+        return "crashes"
+    return "in sync" if exact else "desync"
+
+
+def _last_error_line(text: str) -> str:
+    """The exception line of a traceback (Dynamo appends advice after it)."""
+    lines = [line.strip() for line in text.strip().splitlines()]
+    for line in reversed(lines):
+        head = line.split(":", 1)[0]
+        if head.endswith(("Error", "Exception", "Failed")) and " " not in head:
+            return line
+    return lines[-1]
+
+
+def _row(wrapper: str, loss: str, routed: bool, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    worst = max(ranks, key=lambda r: (r["error"] is not None, r["differ"], r["max_ref_diff"]))
+    error = _last_error_line(worst["error"]) if worst["error"] else None
+    return {
+        "wrapper": wrapper,
+        "loss": loss,
+        "routed": routed,
+        "params": worst["params"],
+        "differ": worst["differ"],
+        "max_rank_diff": worst["max_rank_diff"],
+        "max_ref_diff": worst["max_ref_diff"],
+        "fell_back": any(r["fell_back"] for r in ranks),
+        "error": error,
+        "verdict": _verdict(routed, worst),
+        "seconds": round(max(r["seconds"] for r in ranks), 2),
+    }
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    header = f"{'wrapper':<8} {'loss':<10} {'path':<9} {'params differing':>16} {'max abs diff':>12} "
+    header += f"{'vs reference':>12}  verdict"
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        differing = "-" if row["error"] else f"{row['differ']} / {row['params']}"
+        rank_diff = "-" if row["error"] else f"{row['max_rank_diff']:.2g}"
+        ref_diff = "-" if row["error"] else f"{row['max_ref_diff']:.2g}"
+        verdict = row["verdict"] + (" (fallback)" if row["fell_back"] else "")
+        if row["error"]:
+            verdict += f": {row['error'][:60]}"
+        path = "routed" if row["routed"] else "unrouted"
+        lines.append(
+            f"{row['wrapper']:<8} {row['loss']:<10} {path:<9} {differing:>16} {rank_diff:>12} {ref_diff:>12}  {verdict}"
+        )
+    return "\n".join(lines)
+
+
+def _cache_env() -> dict[str, str]:
+    base = os.path.join(os.path.expanduser("~"), ".cache", "wrapperroute")
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", os.path.join(base, "inductor")),
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(base, "torch_extensions")),
+    }
+
+
+def check(args: argparse.Namespace) -> int:
+    if args.nproc < 2:
+        raise UsageError(f"--nproc must be at least 2 to compare ranks, got {args.nproc}")
+    wrappers = _names(args.wrappers, WRAPPERS, DEFAULT_WRAPPERS, "wrapper")
+    losses = _names(args.losses, LOSSES, DEFAULT_LOSSES, "loss")
+    from .ranks import RankPool
+
+    cells = [(w, loss, routed) for w in wrappers for loss in losses for routed in (False, True)]
+    rows: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    progress = sys.stderr
+    with RankPool(args.nproc, env=_cache_env()) as pool:
+        for index, (wrapper, loss, routed) in enumerate(cells, 1):
+            path = "routed" if routed else "unrouted"
+            print(f"[{index}/{len(cells)}] {wrapper} / {loss} / {path} ...", end="", file=progress, flush=True)
+            cell = Cell(wrapper=wrapper, loss=loss, routed=routed, steps=args.steps)
+            try:
+                ranks = pool.run(run_cell, cell, timeout=args.timeout)
+                row = _row(wrapper, loss, routed, ranks)
+            except Exception as error:  # a rank died or hung: report the cell, keep going
+                row = {
+                    "wrapper": wrapper, "loss": loss, "routed": routed, "params": 0, "differ": 0,
+                    "max_rank_diff": 0.0, "max_ref_diff": 0.0, "fell_back": False,
+                    "error": str(error).strip().splitlines()[0], "verdict": "FAIL" if routed else "crashes",
+                    "seconds": 0.0,
+                }  # fmt: skip
+            rows.append(row)
+            print(f" {row['verdict']} ({row['seconds']}s)", file=progress, flush=True)
+    elapsed = time.perf_counter() - start
+    failed = [r for r in rows if r["routed"] and r["verdict"] != "exact"]
+    if args.json:
+        print(json.dumps({"nproc": args.nproc, "seconds": round(elapsed, 1), "ok": not failed, "cells": rows}))
+    else:
+        print(format_table(rows))
+        print(f"\n{len(rows)} cells on {args.nproc} CPU ranks in {elapsed:.0f}s: ", end="")
+        print("every routed cell exact." if not failed else f"{len(failed)} routed cell(s) FAILED.")
+    return 1 if failed else 0
+
+
+def env(args: argparse.Namespace) -> int:
+    print(f"python        {platform.python_version()} ({platform.machine()})")
+    for package in PACKAGES:
+        try:
+            version = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            version = "not installed"
+        print(f"{package:<13} {version}")
+    print("wrappers      " + ", ".join(n for n, w in WRAPPERS.items() if n != "none" and w.available()))
+    print("losses        " + ", ".join(n for n, c in LOSSES.items() if c.available()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wrapperroute", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("check", help="prove routed gradients are exact on local CPU ranks")
+    run.add_argument("--nproc", type=int, default=2, help="ranks to spawn (default 2)")
+    run.add_argument("--wrappers", help=f"comma-separated subset of: {', '.join(DEFAULT_WRAPPERS)}, zero0")
+    run.add_argument("--losses", help=f"comma-separated subset of: {', '.join(LOSSES)}")
+    run.add_argument("--steps", type=int, default=1, help="optimizer steps per cell (default 1)")
+    run.add_argument("--timeout", type=float, default=300.0, help="seconds a cell may take (default 300)")
+    run.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    run.set_defaults(handler=check)
+    commands.add_parser("env", help="versions and what is available").set_defaults(handler=env)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.handler(args)
+    except UsageError as error:
+        print(f"wrapperroute: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("wrapperroute: interrupted", file=sys.stderr)
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

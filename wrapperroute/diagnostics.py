@@ -1,0 +1,149 @@
+"""Prove gradients are in sync: ``check_grad_sync`` after a backward, and ``guard`` during training."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .detect import detect
+from .errors import GradSyncError, RouteStateError
+
+_SHARDED = ("fsdp1", "fsdp2", "deepspeed")
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What :func:`check_grad_sync` compared and found."""
+
+    kind: str
+    compared: int  # parameters compared across ranks
+    differing: int  # of those, how many differ on some rank
+    max_abs_diff: float
+    worst: tuple[tuple[str, float], ...] = field(default=())  # (name, max abs diff), worst first
+    note: str = ""
+
+    @property
+    def in_sync(self) -> bool:
+        return self.differing == 0
+
+    def table(self) -> str:
+        """The seed PR's table: parameters differing across ranks and the largest difference."""
+        lines = [
+            f"{'wrapper':<10} {'params differing':>18} {'max abs diff':>13}",
+            f"{self.kind:<10} {f'{self.differing} / {self.compared}':>18} {self.max_abs_diff:>13.3g}",
+        ]
+        lines += [f"  {name}: {diff:.3g}" for name, diff in self.worst]
+        if self.note:
+            lines.append(self.note)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None, top: int = 5) -> SyncReport:
+    """Compare every parameter's gradient across the ranks of ``group``; call on every rank after backward.
+
+    Cheap by default: one all-gather of two float64 checksums per parameter; only parameters whose checksums
+    differ are gathered in full to measure the difference. Replicated wrappers (DDP, or no wrapper) must hold
+    identical gradients. Sharded wrappers (FSDP1/2, DeepSpeed) hold a different shard on each rank by design,
+    so their local gradients are not compared; the report says so (a sharded loss computed outside the
+    wrapper fails loudly instead: 1-D shards, DTensor mixes, 0-element ZeRO-3 weights).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RouteStateError(
+            "check_grad_sync needs an initialised process group (torch.distributed.init_process_group); "
+            "in a single process there is nothing to compare"
+        )
+    found = detect(model)
+    if found.kind in _SHARDED:
+        return SyncReport(
+            found.kind, 0, 0, 0.0, note=f"{found.kind} shards gradients: local shards differ by design, not compared"
+        )
+    named = [(n, p) for n, p in found.inner.named_parameters() if p.requires_grad]
+    grads = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for _, p in named]
+    checksums = (
+        torch.stack([torch.stack([g.double().sum(), g.double().square().sum()]) for g in grads])
+        if grads
+        else torch.zeros(0, 2, dtype=torch.float64)
+    )
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(checksums) for _ in range(world)]
+    dist.all_gather(gathered, checksums, group=group)
+    stacked = torch.stack(gathered)
+    suspects = [i for i in range(len(named)) if not bool((stacked[:, i] == stacked[0, i]).all())]
+    diffs: list[tuple[str, float]] = []
+    if suspects:  # every rank computed the same suspect list from the same gathered checksums
+        flat = torch.cat([grads[i].reshape(-1).float() for i in suspects])
+        everyone = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(everyone, flat, group=group)
+        offset = 0
+        for i in suspects:
+            size = grads[i].numel()
+            pieces = [e[offset : offset + size] for e in everyone]
+            diffs.append((named[i][0], max(float((p - pieces[0]).abs().max()) for p in pieces)))
+            offset += size
+    diffs.sort(key=lambda item: -item[1])
+    differing = sum(1 for _, d in diffs if d > 0)
+    return SyncReport(
+        found.kind, len(named), differing, diffs[0][1] if diffs else 0.0, tuple(d for d in diffs[:top] if d[1] > 0)
+    )
+
+
+@contextmanager
+def guard(model: nn.Module, on_error: Literal["raise", "warn"] = "raise") -> Iterator[None]:
+    """Catch the silent DDP desync: gradients produced while DDP's forward did not arm the reducer.
+
+    Inside the block, any backward that produces gradients for the DDP model's parameters must have been
+    preceded (since the previous backward) by a forward through the wrapper: a normal ``model(...)`` call or
+    :func:`route_loss`. Steps under ``no_sync()`` are not checked: their gradients stay local on purpose.
+    Sharded wrappers need no guard: an unrouted loss fails loudly there. Cost: one Python flag check per
+    parameter gradient.
+    """
+    if on_error not in ("raise", "warn"):
+        raise RouteStateError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
+    found = detect(model)
+    if found.kind != "ddp" or found.wrapper is None:
+        yield
+        return
+    ddp = found.wrapper
+    state = {"armed": False, "checked": False}  # armed: forward ran since the last backward
+
+    def on_forward(module: nn.Module, args: object, output: object) -> None:
+        if torch.is_grad_enabled():
+            state["armed"] = True
+
+    def reset() -> None:
+        state["armed"] = state["checked"] = False
+
+    def on_grad(param: torch.Tensor) -> None:
+        if state["checked"]:  # once per backward
+            return
+        state["checked"] = True
+        torch.autograd.Variable._execution_engine.queue_callback(reset)
+        if state["armed"] or not getattr(ddp, "require_backward_grad_sync", True):
+            return
+        reset()  # the backward may abort below, and its end-of-backward callback with it
+        message = (
+            f"gradients of a {type(found.inner).__name__} inside DistributedDataParallel were computed without "
+            "DDP's forward, so they will not be all-reduced and every rank trains its own model. Compute the "
+            "loss through the wrapper: wrapperroute.route_loss(model, unwrapped, loss_fn, ...)."
+        )
+        if on_error == "raise":
+            raise GradSyncError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    handles = [ddp.register_forward_hook(on_forward)]
+    handles += [p.register_post_accumulate_grad_hook(on_grad) for p in ddp.parameters() if p.requires_grad]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
