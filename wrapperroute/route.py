@@ -25,7 +25,7 @@ from torch import nn
 
 from ._kept import kept_forward_context
 from .adapters import Adapter
-from .detect import Detection, detect
+from .detect import Detection, detect, plain_types
 from .errors import RouteStateError, RouteTypeError, RouteValueError
 
 T = TypeVar("T")
@@ -279,6 +279,8 @@ def route_loss(
         )
     if mode not in MODES:
         raise RouteValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if type(model) in plain_types and gather is None and (unwrapped is None or unwrapped is model):
+        return fn(*args, **kwargs)  # a plain module, already seen by detect: nothing to route through
     found = detect(model)
     if unwrapped is not None:
         _check_inside(found, unwrapped, "unwrapped")
