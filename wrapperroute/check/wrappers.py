@@ -20,6 +20,7 @@ class Wrapped:
     full_grads: Callable[[], dict[str, torch.Tensor]]
     step: Callable[[], None]  # optimizer step (+ zero_grad)
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward  # DeepSpeed: engine.backward
+    loss_scale: float = 1.0  # gradients are of loss * loss_scale (DeepSpeed divides by its GA steps)
 
 
 @dataclass(frozen=True)

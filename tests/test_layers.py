@@ -1,0 +1,33 @@
+"""detect() and route_loss(model, None, fn) see through torch.compile, DDP and PEFT in practical orders."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("peft", reason="PEFT is optional: pip install wrapperroute[peft]")
+
+import rankside_ds
+
+from wrapperroute.ranks import RankPool
+
+
+@pytest.mark.parametrize(
+    ("order", "chain"),
+    [
+        ("peft,ddp,compile", ("compile", "ddp", "peft", "module")),  # compile(DDP(peft(model)))
+        ("peft,compile,ddp", ("ddp", "compile", "peft", "module")),  # DDP(compile(peft(model)))
+        ("compile,peft,ddp", ("ddp", "peft", "compile", "module")),  # DDP(peft(compile(model)))
+    ],
+)
+def test_layers_detected_and_routed(pool: RankPool, order: str, chain: tuple[str, ...]) -> None:
+    results = pool.run(rankside_ds.layered_route, order, True)
+    print(order, results[0])
+    for result in results:
+        assert result["chain"] == chain and result["kind"] == "ddp" and result["inner_is_base"]
+        assert result["params"] > 0 and result["differ"] == 0, result
+
+
+def test_layers_unrouted_differs(pool: RankPool) -> None:
+    results = pool.run(rankside_ds.layered_route, "peft,ddp,compile", False)
+    print(results[0])
+    assert results[0]["differ"] > 0

@@ -1,0 +1,125 @@
+"""DeepSpeed's ``DeepSpeedEngine`` (ZeRO stages 0-3). Loaded only once ``deepspeed`` is imported.
+
+``engine.forward`` runs its forward prologue (under ZeRO-3 it marks every module ``_in_forward``, so reading a
+partitioned parameter as an attribute gathers it and registers it with the running module, whose backward hooks
+gather it again and reduce-scatter its gradient), calls ``engine.module``, then hooks the *output*: the first
+gradient reaching it runs the backward prologue, and each is divided by ``gradient_accumulation_steps`` unless
+``engine.backward`` already scaled the loss. Routing the loss through ``engine(token)`` puts all of that around
+the loss, exactly as a normal forward. ZeRO 0/1/2 reduce in ``backward``/``step`` whatever the forward did; the
+forward still matters there for the output hooks.
+
+``gather=``: under ZeRO-3 the named modules' partitioned parameters are gathered before the loss with
+``deepspeed.zero.GatheredParameters`` (de-duplicated, as TRL does) and registered as external parameters of
+``engine.module``, so its backward hooks gather them again for backward and their gradients are reduce-scattered
+once. Without it the in-forward attribute getter gathers each weight lazily on first read: both are exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from deepspeed import DeepSpeedEngine
+from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from torch import nn
+
+from ..errors import RouteValueError
+from .base import Adapter
+
+
+def _stage(engine: DeepSpeedEngine) -> int:
+    return int(engine.zero_optimization_stage())
+
+
+class DeepSpeedAdapter(Adapter):
+    kind = "deepspeed"
+    distributed = True
+
+    def claims(self, module: nn.Module) -> bool:
+        return isinstance(module, DeepSpeedEngine)
+
+    def peel(self, module: nn.Module) -> nn.Module:
+        inner: nn.Module = module.module  # type: ignore[assignment]
+        return inner
+
+    def in_forward(self, wrapper: nn.Module) -> bool:
+        # Only ZeRO-3 leaves a trace of a running forward: its prologue flags every module's parameter dict.
+        params = self.peel(wrapper)._parameters
+        return bool(getattr(params, "_in_forward", False))
+
+    def describe(self, wrapper: nn.Module) -> dict[str, Any]:
+        engine: DeepSpeedEngine = wrapper
+        return {
+            "zero_stage": _stage(engine),
+            "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
+        }
+
+    def validate_gather(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> None:
+        # route_loss has already checked containment; here: what ZeRO-3 can gather must be a partitioned param.
+        inner = self.peel(wrapper)
+        owned = {id(p) for p in inner.parameters()}
+        for module in gather:
+            if any(id(p) not in owned for p in module.parameters()):
+                raise RouteValueError(
+                    f"gather= entry {type(module).__name__} holds parameters that the DeepSpeed engine does not "
+                    "own; pass submodules of the model given to deepspeed.initialize"
+                )
+
+    @contextlib.contextmanager
+    def inside(self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]) -> Iterator[None]:
+        engine: DeepSpeedEngine = wrapper
+        if _stage(engine) != 3:
+            yield
+            return
+        with _keep_in_forward(engine), _gathered(engine, gather):
+            yield
+
+
+@contextlib.contextmanager
+def _keep_in_forward(engine: DeepSpeedEngine) -> Iterator[None]:
+    """Keep ZeRO-3's in-forward flag set for the whole loss.
+
+    A loss that calls ``engine.module`` itself (``hidden = model(ids)``, the module whose forward we replaced)
+    runs the engine's forward hooks a second time; the nested epilogue clears every module's ``_in_forward``
+    and the weight read after it (``model.lm_head.weight``) comes back empty (measured: ``vec (0)``). We are
+    still inside the engine's forward, so restore the flag after any nested epilogue.
+    """
+    original = engine._forward_epilogue
+    root = engine.module
+
+    def epilogue() -> None:
+        original()
+        for module in root.modules():
+            if isinstance(module._parameters, ZeROOrderedDict):
+                module._parameters._in_forward = True
+
+    engine.__dict__["_forward_epilogue"] = epilogue  # the hook looks it up on the instance at each call
+    try:
+        yield
+    finally:
+        if engine.__dict__.get("_forward_epilogue") is epilogue:
+            del engine.__dict__["_forward_epilogue"]
+
+
+@contextlib.contextmanager
+def _gathered(engine: DeepSpeedEngine, gather: tuple[nn.Module, ...]) -> Iterator[None]:
+    seen: set[int] = set()
+    params = []
+    for module in gather:
+        for param in module.parameters():
+            # Already whole (persistent, or gathered by a running submodule): partitioning it on exit would
+            # pull it from under its owner.
+            if id(param) in seen or getattr(param, "ds_status", None) != ZeroParamStatus.NOT_AVAILABLE:
+                continue
+            seen.add(id(param))
+            params.append(param)
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    # fwd_module: the root's backward hooks gather these again for backward and reduce-scatter their grads.
+    with deepspeed.zero.GatheredParameters(params, fwd_module=engine.module):
+        yield
