@@ -1,0 +1,2 @@
+"""Integrations with training libraries. Each is imported explicitly (``wrapperroute.integrations.trl``), so
+importing ``wrapperroute`` never imports the library it integrates with."""

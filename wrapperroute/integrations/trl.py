@@ -1,0 +1,245 @@
+"""TRL integration: a drop-in ``_ForwardRedirection`` and ``patch_trl()`` for the DPO/KTO Liger desync.
+
+TRL 1.10-1.13 ``DPOTrainer``/``KTOTrainer.compute_loss`` with ``use_liger_kernel=True`` route the fused Liger
+loss through the wrapper only under ZeRO-3 or FSDP; under plain DDP they run it on the unwrapped model, so
+``DDP.forward`` never arms the reducer and every rank keeps its own gradients. The obvious fix (route through
+TRL's ``_forward_redirection``) crashes instead: the Liger loss is a compiled ``torch.func`` loss and, with the
+reference head unfrozen, DDP's graph optimizer splits it inside the transform ("Cannot access storage of
+TensorWrapper"). :func:`patch_trl` routes it through :func:`wrapperroute.route_loss`, isolated from that
+optimizer.
+
+This module imports TRL only when :func:`patch_trl` runs; :class:`ForwardRedirection` never imports it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib
+import logging
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..detect import detect
+from ..route import Mode, route_loss
+
+log = logging.getLogger("wrapperroute")
+
+_MISSING = object()
+# TRL versions whose DPO/KTO ``compute_loss`` skip the wrapper under DDP with ``use_liger_kernel=True``:
+# 1.10 introduced the unwrapped call, 1.14 routes whenever ``model is not unwrapped_model``.
+_AFFECTED = ((1, 10), (1, 14))
+_LIGER_TRAINERS = (("trl.trainer.dpo_trainer", "DPOTrainer"), ("trl.trainer.kto_trainer", "KTOTrainer"))
+
+
+class ForwardRedirection:
+    """Drop-in for TRL's ``_ForwardRedirection``, backed by :func:`wrapperroute.route_loss`.
+
+    ``redirection(wrapper_module, original_module, method, *args, **kwargs)`` returns
+    ``method(*args, **kwargs)`` computed inside ``wrapper_module``'s forward, like TRL's (Lightning's) class,
+    and keeps its ``on_after_inner_forward``/``on_after_outer_forward`` hooks. Unlike it:
+
+    - the module's ``forward`` is restored even when the wrapper or ``method`` raises, and no instance
+      ``forward`` attribute is left behind;
+    - a compiled ``torch.func`` method (Liger's chunked losses) that DDP's graph optimizer cannot split is
+      rerun isolated from that optimizer (``mode="auto"``, see :func:`route_loss`);
+    - for wrappers wrapperroute knows (DDP, FSDP1/2, DeepSpeed, under ``torch.compile`` too), the arguments
+      reach ``method`` untouched: they are not moved or cast by the wrapper. Unknown wrappers get TRL's
+      behaviour (arguments through the wrapper), with the restore above.
+    """
+
+    def __init__(self, mode: Mode = "auto") -> None:
+        self.mode: Mode = mode
+
+    def __call__(
+        self, wrapper_module: nn.Module, original_module: nn.Module, method: Callable[..., Any], *args: Any,
+        **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        found = detect(wrapper_module)
+        if any(layer is original_module for layer in found.layers):
+            # A partial keys route_loss's functorch fallback on ``method`` itself; a closure (only when a subclass
+            # hooks in after the inner call) would share one key between every method redirected.
+            fn: Callable[[], Any] = functools.partial(method, *args, **kwargs)
+            if type(self).on_after_inner_forward is not ForwardRedirection.on_after_inner_forward:
+                fn = functools.partial(self._then_inner_hook, wrapper_module, original_module, fn)
+            output = route_loss(wrapper_module, original_module, fn, mode=self.mode)
+        else:
+            output = self._through_unknown(wrapper_module, original_module, method, args, kwargs)
+        self.on_after_outer_forward(wrapper_module, original_module)
+        return output
+
+    def _then_inner_hook(self, wrapper: nn.Module, original: nn.Module, call: Callable[[], Any]) -> Any:
+        out = call()
+        self.on_after_inner_forward(wrapper, original)
+        return out
+
+    def _through_unknown(
+        self, wrapper: nn.Module, original: nn.Module, method: Callable[..., Any], args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:  # fmt: skip
+        """TRL's redirection, for a wrapper wrapperroute does not know, plus restore-on-exception."""
+        saved = original.__dict__.get("forward", _MISSING)
+
+        def restore() -> None:
+            if saved is _MISSING:
+                original.__dict__.pop("forward", None)
+            else:
+                original.__dict__["forward"] = saved
+
+        def forward(*inner_args: Any, **inner_kwargs: Any) -> Any:
+            restore()  # before ``method``: it may call the real forward itself
+            out = method(*inner_args, **inner_kwargs)
+            self.on_after_inner_forward(wrapper, original)
+            return out
+
+        original.__dict__["forward"] = forward
+        try:
+            return wrapper(*args, **kwargs)
+        finally:
+            restore()
+
+    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: nn.Module) -> None:
+        pass
+
+    def on_after_outer_forward(self, wrapper_module: nn.Module, original_module: nn.Module) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class TrlPatch:
+    """What :func:`patch_trl` (or :func:`unpatch_trl`) left in place.
+
+    ``patched`` names every attribute currently replaced (``"trl.trainer.dpo_trainer.DPOTrainer.compute_loss"``);
+    ``note`` says why anything was left alone.
+    """
+
+    version: str | None
+    patched: tuple[str, ...]
+    note: str
+
+    def __bool__(self) -> bool:
+        return bool(self.patched)
+
+
+# label -> (owner, attribute, original value): what to put back.
+_applied: dict[str, tuple[Any, str, Any]] = {}
+# The model ``compute_loss`` received (the wrapper), for the ``_compute_loss_liger`` call it makes.
+_outer_model: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVar("wrapperroute_trl_outer", default=None)
+
+
+def _version(text: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", text)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+def _set(label: str, owner: Any, attribute: str, value: Any) -> None:
+    if label not in _applied:
+        _applied[label] = (owner, attribute, owner.__dict__.get(attribute, _MISSING))
+    setattr(owner, attribute, value)
+
+
+def _routed_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def compute_loss(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        token = _outer_model.set(model)
+        try:
+            return original(self, model, *args, **kwargs)
+        finally:
+            _outer_model.reset(token)
+
+    compute_loss.__wrapperroute_original__ = original  # type: ignore[attr-defined]
+    return compute_loss
+
+
+def _routed_liger(original: Callable[..., Any], mode: Mode) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _compute_loss_liger(self: Any, model: nn.Module, inputs: Any, return_outputs: bool) -> Any:
+        outer = _outer_model.get()
+        if outer is None or outer is model:
+            return original(self, model, inputs, return_outputs)
+        # Already inside the wrapper (TRL's own ZeRO-3/FSDP redirection): route_loss just calls it.
+        return route_loss(outer, model, functools.partial(original, self, model, inputs, return_outputs), mode=mode)
+
+    _compute_loss_liger.__wrapperroute_original__ = original  # type: ignore[attr-defined]
+    return _compute_loss_liger
+
+
+def _trl_redirection_modules(cls: Any) -> list[Any]:
+    """Every loaded ``trl`` module holding ``cls`` as ``_ForwardRedirection`` (trainers import it by name)."""
+    return [
+        module
+        for name, module in list(sys.modules.items())
+        if (name == "trl" or name.startswith("trl.")) and module is not None
+        and module.__dict__.get("_ForwardRedirection") is cls
+    ]  # fmt: skip
+
+
+def patch_trl(mode: Mode = "isolate", forward_redirection: bool = True) -> TrlPatch:
+    """Make the installed TRL's trainers route their fused losses through wrapperroute. Idempotent.
+
+    - DPO and KTO (TRL 1.10-1.13, ``use_liger_kernel=True``): the Liger loss runs inside the wrapper's forward
+      under every wrapper, DDP included. ``mode`` defaults to ``"isolate"``: both losses are compiled
+      ``torch.func`` losses that DDP's graph optimizer can fail to split, so they skip it from the first call
+      instead of failing once (a wasted compile) and falling back.
+    - ``forward_redirection``: ``trl.models.utils._ForwardRedirection`` and every loaded TRL module's
+      ``_ForwardRedirection`` become :class:`ForwardRedirection` (GRPO, distillation...), so trainers built
+      from now on restore the forward on exceptions and get the functorch fallback.
+
+    Returns what is patched now; on a TRL that needs no DPO/KTO fix the note says so and only the
+    redirection (if asked) is replaced. Raises ``ImportError`` when TRL is not installed.
+    """
+    import trl
+
+    version = str(getattr(trl, "__version__", "0"))
+    notes: list[str] = []
+    if _AFFECTED[0] <= _version(version) < _AFFECTED[1]:
+        for module_name, class_name in _LIGER_TRAINERS:
+            cls = getattr(importlib.import_module(module_name), class_name)
+            if not hasattr(cls, "_compute_loss_liger"):
+                notes.append(f"{class_name} has no _compute_loss_liger: left alone")
+                continue
+            label = f"{module_name}.{class_name}"
+            if f"{label}.compute_loss" not in _applied:
+                _set(f"{label}.compute_loss", cls, "compute_loss", _routed_compute_loss(cls.compute_loss))
+                _set(f"{label}._compute_loss_liger", cls, "_compute_loss_liger",
+                     _routed_liger(cls._compute_loss_liger, mode))  # fmt: skip
+    else:
+        notes.append(f"TRL {version}: DPO/KTO compute_loss already route their Liger loss (fixed in 1.14)")
+    if forward_redirection:
+        utils = importlib.import_module("trl.models.utils")
+        key = "trl.models.utils._ForwardRedirection"
+        original = _applied[key][2] if key in _applied else utils.__dict__.get("_ForwardRedirection", _MISSING)
+        if original is _MISSING:
+            notes.append(f"TRL {version} has no _ForwardRedirection: nothing to replace")
+        else:
+            for module in _trl_redirection_modules(original):
+                _set(f"{module.__name__}._ForwardRedirection", module, "_ForwardRedirection", ForwardRedirection)
+    result = TrlPatch(version, tuple(_applied), "; ".join(notes))
+    log.info("wrapperroute.patch_trl: patched %s%s", list(result.patched) or "nothing",
+             f" ({result.note})" if result.note else "")  # fmt: skip
+    return result
+
+
+def unpatch_trl() -> TrlPatch:
+    """Undo :func:`patch_trl`. Trainers built while patched keep the redirection instance they made."""
+    key = "trl.models.utils._ForwardRedirection"
+    trl_class = _applied[key][2] if key in _applied else _MISSING
+    for _label, (owner, attribute, original) in reversed(list(_applied.items())):
+        if original is _MISSING:
+            delattr(owner, attribute)
+        else:
+            setattr(owner, attribute, original)
+    _applied.clear()
+    if trl_class is not _MISSING:  # modules imported while patched took ours from trl.models.utils
+        for module in _trl_redirection_modules(ForwardRedirection):
+            module._ForwardRedirection = trl_class
+    trl = sys.modules.get("trl")
+    return TrlPatch(getattr(trl, "__version__", None) if trl else None, (), "unpatched")
+
+
+__all__ = ["ForwardRedirection", "TrlPatch", "patch_trl", "unpatch_trl"]
