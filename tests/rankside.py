@@ -168,3 +168,14 @@ def compiled_layers() -> dict[str, Any]:
             "target": type(target).__name__,
         }
     return out
+
+
+def saved_tensor_hooks_after(mode: str) -> dict[str, Any]:
+    """A failed compile inside a torch.func transform must not leave saved-tensor hooks disabled (they are
+    what gradient checkpointing runs on), whether the error is re-raised or the fallback engages."""
+    result = run_cell(Cell(loss="liger_dpo", mode=mode, fresh_compile=True))  # type: ignore[arg-type]
+    return {
+        "error": result["error"],
+        "fell_back": result["fell_back"],
+        "hooks": bool(torch._C._autograd._saved_tensors_hooks_is_enabled()),
+    }

@@ -92,6 +92,17 @@ def test_functorch_crash_reproduced_and_fallback_exact(pool: RankPool) -> None:
         assert rank["differ"] == 0 and rank["max_ref_diff"] <= TOLERANCE, rank
 
 
+@pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed (pip install wrapperroute[liger])")
+@pytest.mark.parametrize("mode", ["redirect", "auto"])
+def test_failed_compile_leaves_saved_tensor_hooks_on(pool: RankPool, mode: str) -> None:
+    for rank in pool.run(rankside.saved_tensor_hooks_after, mode):
+        assert rank["hooks"], rank
+        if mode == "auto":
+            assert rank["fell_back"] and rank["error"] is None, rank
+        else:
+            assert "TensorWrapper" in rank["error"]
+
+
 def test_no_sync_defers_allreduce(pool: RankPool) -> None:
     for rank in pool.run(rankside.no_sync_skips_allreduce):
         assert rank["differ_inside"] == rank["params"], "no all-reduce may happen inside no_sync"

@@ -63,7 +63,8 @@ def test_token_survives_ddp_input_handling() -> None:
     with ``device_ids`` set work (no GPU here to run DDP with device_ids)."""
     from torch.distributed.utils import _cast_forward_inputs, _to_kwargs
 
-    call = _Call(nn.Linear(1, 1), None, print, (), {}, False, ())  # type: ignore[arg-type]
+    module = nn.Linear(1, 1)
+    call = _Call(module, None, print, (), {}, False, (), (), module)  # type: ignore[arg-type]
     moved_args, moved_kwargs = _to_kwargs((call,), {}, torch.device("cpu"), False)
     assert moved_args[0][0] is call and moved_kwargs[0] == {}
     cast_args, _ = _cast_forward_inputs(torch.bfloat16, call)

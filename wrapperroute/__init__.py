@@ -3,6 +3,7 @@
 Public surface::
 
     route_loss(model, unwrapped, fn, *args, **kwargs)   # run fn inside model's wrapper forward
+    @routed                                              # the same for a trainer's compute_loss
     detect(model)                                        # which wrapper, which layers, which inner module
     check_grad_sync(model)                               # after backward: are gradients equal across ranks?
     guard(model)                                         # raise when a DDP backward was never armed
@@ -10,6 +11,7 @@ Public surface::
 
 from __future__ import annotations
 
+from .decorators import routed
 from .detect import Detection, detect
 from .diagnostics import SyncReport, check_grad_sync, guard
 from .errors import (
@@ -38,4 +40,5 @@ __all__ = [
     "detect",
     "guard",
     "route_loss",
+    "routed",
 ]

@@ -77,7 +77,8 @@ def detect(model: nn.Module) -> Detection:
                 module = adapter.peel(module)
                 break
         else:
-            plain_types.add(type(module))
+            if not layers or layers[-1] is not module:  # FSDP2 claims a module and peels to itself
+                plain_types.add(type(module))
             break
     chain.append("module")
     layers.append(module)

@@ -13,14 +13,15 @@ see each other's loss.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypeVar
 
+import torch
 from torch import nn
 
 from ._kept import kept_forward_context
@@ -53,7 +54,7 @@ _isolated_losses: set[object] = set()
 class _Call:
     """The token handed to the wrapper: the loss and everything needed to run it inside the forward."""
 
-    __slots__ = ("adapter", "args", "fn", "gather", "isolate", "kwargs", "nested", "wrapper")
+    __slots__ = ("adapter", "args", "fn", "gather", "isolate", "kwargs", "nested", "target", "wrapper")
 
     def __init__(
         self,
@@ -64,9 +65,11 @@ class _Call:
         kwargs: dict[str, Any],
         isolate: bool,
         gather: tuple[nn.Module, ...],
-        nested: tuple[nn.Module, ...] = (),
+        nested: tuple[nn.Module, ...],
+        target: nn.Module,
     ) -> None:
         self.wrapper = wrapper
+        self.target = target
         self.adapter = adapter
         self.fn = fn
         self.args = args
@@ -76,12 +79,19 @@ class _Call:
         self.nested = nested
 
     def run(self) -> Any:
-        key = id(self.wrapper)
-        _thread.routing.add(key)
+        wrapper = self.wrapper
+        routing = _thread.routing
+        routing.add(id(wrapper))
+        # While the loss runs, a call of the wrapper itself (fn calling model(...)) is a plain call of the inner
+        # module: the wrapper is already prepared, and its pre/post-forward again would re-arm DDP's reducer or
+        # reshard FSDP parameters mid-loss. (FSDP2's wrapper is the module itself: its adapter sets hooks aside.)
+        target = self.target
+        passthrough = target is not wrapper
+        if passthrough:
+            saved = wrapper.__dict__.get("forward", _MISSING)
+            wrapper.__dict__["forward"] = target
         try:
-            with _wrapper_passthrough(self.wrapper, self.adapter), self.adapter.inside(
-                self.wrapper, isolate=self.isolate, gather=self.gather
-            ):
+            with self.adapter.inside(wrapper, isolate=self.isolate, gather=self.gather):
                 if self.nested:  # a shard unit the loss reads from: enter its forward too
                     unit, rest = self.nested[0], self.nested[1:]
                     return _call_through(
@@ -89,93 +99,78 @@ class _Call:
                     )
                 return self.fn(*self.args, **self.kwargs)
         finally:
-            _thread.routing.discard(key)
+            if passthrough:
+                if saved is _MISSING:
+                    del wrapper.__dict__["forward"]
+                else:
+                    wrapper.__dict__["forward"] = saved
+            routing.discard(id(wrapper))
 
     def __repr__(self) -> str:  # shows up in wrapper error messages; keep it short
         return f"<wrapperroute call of {getattr(self.fn, '__qualname__', type(self.fn).__name__)}>"
 
 
-@contextmanager
-def _wrapper_passthrough(wrapper: nn.Module, adapter: Adapter) -> Iterator[None]:
-    """While the loss runs, a call of the wrapper itself (``fn`` calling ``model(...)``) is a plain call of
-    the inner module: the wrapper is already prepared, and running its pre/post-forward again would re-arm
-    DDP's reducer or reshard FSDP parameters in the middle of the loss."""
-    target = adapter.redirect_target(wrapper)
-    if target is wrapper:  # FSDP2: the adapter sets the hooks aside instead
-        yield
-        return
-    saved = wrapper.__dict__.get("forward", _MISSING)
-    wrapper.__dict__["forward"] = target
-    try:
-        yield
-    finally:
-        if saved is _MISSING:
-            wrapper.__dict__.pop("forward", None)
-        else:
-            wrapper.__dict__["forward"] = saved
-
-
 class _Redirection:
-    """The swapped ``forward`` of one target module, shared by every in-flight call on it (refcounted)."""
+    """The swapped ``forward`` of one target module, shared by every in-flight call on it (refcounted).
 
-    def __init__(self) -> None:
+    Built once per target and kept while the target lives; it holds the target only weakly.
+    """
+
+    __slots__ = ("count", "dispatch", "kept", "kept_source", "lock", "saved")
+
+    def __init__(self, target: nn.Module) -> None:
         self.lock = threading.Lock()
         self.count = 0
-        self.saved: object = _MISSING
+        self.saved: object = _MISSING  # the instance forward we replaced, while swapped
+        self.kept: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+        self.kept_source: weakref.ref[Any] | None = None  # the instance forward ``kept`` was read from
+        self.dispatch = _make_dispatch(weakref.ref(target), self)
 
 
-_redirections: weakref.WeakKeyDictionary[nn.Module, _Redirection] = weakref.WeakKeyDictionary()
+_redirections: dict[int, _Redirection] = {}
 _redirections_lock = threading.Lock()
 
 
-def _make_dispatch(target: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
-    target_id = id(target)
-    kept = kept_forward_context(target, original)
+def _redirection_for(target: nn.Module) -> _Redirection:
+    state = _redirections.get(id(target))
+    if state is None:
+        with _redirections_lock:
+            state = _redirections.get(id(target))
+            if state is None:
+                state = _redirections[id(target)] = _Redirection(target)
+                weakref.finalize(target, _redirections.pop, id(target), None)
+    return state
 
+
+def _make_dispatch(target_ref: weakref.ref[nn.Module], state: _Redirection) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
+        target = target_ref()
+        if target is None:  # unreachable while the module is being called; keeps the types honest
+            raise RouteStateError("the routed module was garbage-collected during its own forward")
         if len(args) == 1 and not kwargs and type(args[0]) is _Call:
-            _thread.pending.pop(target_id, None)
+            _thread.pending.pop(id(target), None)
+            kept = state.kept
             if kept is None:
                 return args[0].run()
             with kept():
                 return args[0].run()
-        if target_id in _thread.pending:
+        if id(target) in _thread.pending:
             raise RouteStateError(
                 f"the wrapper did not pass wrapperroute's call token to {type(target).__name__}.forward "
                 "unchanged, so the loss cannot run inside its forward. Report this wrapper; meanwhile compute "
                 "the loss through model(...) directly."
             )
         # Another thread calling the model normally while a loss is routed: behave as the real forward.
-        return original(*args, **kwargs)
+        saved = state.saved
+        original = saved if saved is not _MISSING else type(target).forward.__get__(target)
+        return original(*args, **kwargs)  # type: ignore[operator]
 
     return forward
 
 
-@contextmanager
-def _redirected(target: nn.Module, call: _Call) -> Iterator[None]:
-    with _redirections_lock:
-        state = _redirections.get(target)
-        if state is None:
-            state = _redirections[target] = _Redirection()
-    with state.lock:
-        if state.count == 0:
-            state.saved = target.__dict__.get("forward", _MISSING)
-            original = state.saved if state.saved is not _MISSING else type(target).forward.__get__(target)
-            target.__dict__["forward"] = _make_dispatch(target, original)  # type: ignore[arg-type]
-        state.count += 1
-    _thread.pending[id(target)] = call
-    try:
-        yield
-    finally:
-        _thread.pending.pop(id(target), None)
-        with state.lock:
-            state.count -= 1
-            if state.count == 0:
-                if state.saved is _MISSING:
-                    target.__dict__.pop("forward", None)
-                else:
-                    target.__dict__["forward"] = state.saved
-                state.saved = _MISSING
+def _saved_tensor_hooks_enabled() -> bool:
+    probe = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return bool(probe()) if probe is not None else True
 
 
 def _fallback_key(fn: Callable[..., Any]) -> object:
@@ -240,6 +235,41 @@ def _check_inside(found: Detection, unwrapped: nn.Module, role: str) -> None:
         )
 
 
+class _Plan:
+    """What route_loss learns about one model object once: its detection and the modules checked to be
+    inside it. Kept while the model lives (held weakly) and while its class stays the same (fully_shard
+    changes a module's class)."""
+
+    __slots__ = ("checked", "found", "model_ref", "model_type")
+
+    def __init__(self, model: nn.Module) -> None:
+        self.found = detect(model)  # first: it names a non-module argument clearly
+        self.model_ref = weakref.ref(model)
+        self.model_type = type(model)
+        self.checked: dict[int, weakref.ref[nn.Module]] = {}
+
+    def check_inside(self, module: nn.Module, role: str) -> None:
+        known = self.checked.get(id(module))
+        if known is not None and known() is module:
+            return
+        _check_inside(self.found, module, role)
+        self.checked[id(module)] = weakref.ref(module)
+
+
+_plans: dict[int, _Plan] = {}
+
+
+def _plan_for(model: nn.Module) -> _Plan:
+    plan = _plans.get(id(model))
+    if plan is not None and plan.model_ref() is model and plan.model_type is type(model):
+        return plan
+    plan = _Plan(model)
+    if id(model) not in _plans:
+        weakref.finalize(model, _plans.pop, id(model), None)
+    _plans[id(model)] = plan
+    return plan
+
+
 def route_loss(
     model: nn.Module,
     unwrapped: nn.Module | None,
@@ -281,12 +311,13 @@ def route_loss(
         raise RouteValueError(f"mode must be one of {MODES}, got {mode!r}")
     if type(model) in plain_types and gather is None and (unwrapped is None or unwrapped is model):
         return fn(*args, **kwargs)  # a plain module, already seen by detect: nothing to route through
-    found = detect(model)
-    if unwrapped is not None:
-        _check_inside(found, unwrapped, "unwrapped")
+    plan = _plan_for(model)
+    found = plan.found
+    if unwrapped is not None and unwrapped is not found.inner:
+        plan.check_inside(unwrapped, "unwrapped")
     modules = _as_gather(gather)
     for module in modules:
-        _check_inside(found, module, "a gather= entry")
+        plan.check_inside(module, "a gather= entry")
     wrapper, adapter = found.wrapper, found.adapter
     if wrapper is None or adapter is None:
         return fn(*args, **kwargs)
@@ -298,9 +329,14 @@ def route_loss(
 
     key = _fallback_key(fn)
     isolate = mode == "isolate" or (mode == "auto" and key in _isolated_losses)
+    hooks_enabled = _saved_tensor_hooks_enabled()
     try:
         return _call_through(wrapper, adapter, fn, args, kwargs, isolate, modules, nested)
     except Exception as error:
+        # A compile that failed inside a torch.func transform leaves it half-run; entering it disabled
+        # saved-tensor hooks, and everything after (the retry, gradient checkpointing) would fail without them.
+        if hooks_enabled and not _saved_tensor_hooks_enabled():
+            torch._C._autograd._saved_tensors_hooks_enable()
         if mode != "auto" or isolate or not _is_graph_optimizer_failure(error):
             raise
     _isolated_losses.add(key)
@@ -322,7 +358,35 @@ def _call_through(
     gather: tuple[nn.Module, ...],
     nested: tuple[nn.Module, ...] = (),
 ) -> T:
-    call = _Call(wrapper, adapter, fn, args, kwargs, isolate, gather, nested)
-    with _redirected(adapter.redirect_target(wrapper), call):
+    target = adapter.redirect_target(wrapper)
+    call = _Call(wrapper, adapter, fn, args, kwargs, isolate, gather, nested, target)
+    state = _redirection_for(target)
+    with state.lock:
+        if state.count == 0:
+            saved = target.__dict__.get("forward", _MISSING)
+            state.saved = saved
+            if saved is _MISSING:
+                state.kept = state.kept_source = None
+            elif state.kept_source is None or state.kept_source() is not saved:
+                state.kept = kept_forward_context(target, saved)  # read once per distinct instance forward
+                try:
+                    state.kept_source = weakref.ref(saved)
+                except TypeError:  # not weakly referenceable: read it again next time
+                    state.kept_source = None
+            target.__dict__["forward"] = state.dispatch
+        state.count += 1
+    pending = _thread.pending
+    pending[id(target)] = call
+    try:
         result: T = wrapper(call)
-    return result
+        return result
+    finally:
+        pending.pop(id(target), None)
+        with state.lock:
+            state.count -= 1
+            if state.count == 0:
+                if state.saved is _MISSING:
+                    target.__dict__.pop("forward", None)
+                else:
+                    target.__dict__["forward"] = state.saved
+                state.saved = _MISSING

@@ -9,10 +9,11 @@ them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from torch import nn
+
+NOTHING = contextlib.nullcontext()  # reusable and re-entrant: the default ``inside``
 
 
 class Adapter:
@@ -50,14 +51,15 @@ class Adapter:
         """Extra facts for :class:`~wrapperroute.Detection` (e.g. the ZeRO stage)."""
         return {}
 
-    @contextlib.contextmanager
-    def inside(self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]) -> Iterator[None]:
-        """Context entered inside the wrapper's forward, around the loss.
+    def inside(
+        self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Context entered inside the wrapper's forward, around the loss (on every step: keep it cheap).
 
         ``isolate``: keep wrapper-specific compiler passes away from the loss (the functorch fallback).
         ``gather``: modules whose parameters the loss reads directly and that must be whole while it runs.
         """
-        yield
+        return NOTHING
 
     def nested_units(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
         """Shard units below the wrapper whose forward must also run for the loss (outermost first).

@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import Adapter
+from .base import NOTHING, Adapter
 
 
 class DDPAdapter(Adapter):
@@ -46,15 +46,18 @@ class DDPAdapter(Adapter):
             "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
         }
 
-    @contextlib.contextmanager
-    def inside(self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]) -> Iterator[None]:
-        if not isolate:
-            yield
-            return
-        # Same save/restore discipline as DDP's own ``_inside_ddp_forward`` (nested DDP).
-        previous = DistributedDataParallel._active_ddp_module
-        DistributedDataParallel._active_ddp_module = None
-        try:
-            yield
-        finally:
-            DistributedDataParallel._active_ddp_module = previous
+    def inside(
+        self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]
+    ) -> contextlib.AbstractContextManager[Any]:
+        return _without_graph_optimizer() if isolate else NOTHING
+
+
+@contextlib.contextmanager
+def _without_graph_optimizer() -> Iterator[None]:
+    # Same save/restore discipline as DDP's own ``_inside_ddp_forward`` (nested DDP).
+    previous = DistributedDataParallel._active_ddp_module
+    DistributedDataParallel._active_ddp_module = None
+    try:
+        yield
+    finally:
+        DistributedDataParallel._active_ddp_module = previous
