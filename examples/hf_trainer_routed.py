@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from _hf import GradCheck
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from wrapperroute.check.cell import _compare_across_ranks
 from wrapperroute.decorators import routed
 
 
@@ -36,16 +36,6 @@ class FusedLossTrainer(Trainer):
         logits = hidden[:, :-1] @ inner.lm_head.weight.t()
         loss = F.cross_entropy(logits.flatten(0, 1).float(), inputs["labels"][:, 1:].flatten())
         return (loss, None) if return_outputs else loss
-
-
-class GradCheck(TrainerCallback):
-    """After the backward, before the optimizer: how many gradients differ across ranks."""
-
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **_: Any) -> None:
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        differ, worst = _compare_across_ranks(grads)
-        if dist.get_rank() == 0:
-            print(f"step {state.global_step}: {differ}/{len(grads)} parameters differ (max {worst:.1e})", flush=True)
 
 
 def main() -> None:

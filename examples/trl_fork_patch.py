@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _hf import GradCheck
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
-
-from wrapperroute.check.cell import _compare_across_ranks
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 WORDS = [f"w{i}" for i in range(48)]
 # Liger's Triton kernels need a GPU; its chunked DPO/KTO losses are pure torch and run on CPU.
@@ -60,14 +59,6 @@ def preference_rows(rows: int) -> list[dict[str, str]]:
         return " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (length,), generator=generator).tolist())
 
     return [{"prompt": sentence(4), "chosen": sentence(3), "rejected": sentence(3)} for _ in range(rows)]
-
-
-class GradCheck(TrainerCallback):
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **_: Any) -> None:
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        differ, worst = _compare_across_ranks(grads)
-        if dist.get_rank() == 0:
-            print(f"step {state.global_step}: {differ}/{len(grads)} parameters differ (max {worst:.1e})", flush=True)
 
 
 def main(patched: bool = True) -> None:

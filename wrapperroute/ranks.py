@@ -54,6 +54,9 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _worker(rank: int, world_size: int, store_path: str, conn: Connection, env: dict[str, str]) -> None:
+    # Results travel over the pipe; what libraries print (DeepSpeed's build and config chatter) goes to
+    # stderr, so the parent's stdout stays its own (``wrapperroute check --json`` prints one JSON object).
+    os.dup2(2, 1)
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     os.environ.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))

@@ -1,0 +1,260 @@
+"""Rank-side benchmark bodies. Every figure is a ratio of two paths timed in the same process, interleaved
+(the order alternates every repetition), so the machine's noise hits both alike."""
+
+from __future__ import annotations
+
+import functools
+import resource
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from wrapperroute import route_loss
+from wrapperroute.check.losses import LIGER_CONFIG, LOSSES, make_batch
+from wrapperroute.check.models import TinyCausalLM, TinyConfig, build_model
+
+SIZES = {
+    "tiny": TinyConfig(),  # ~38k parameters
+    "10M": TinyConfig(vocab=8192, hidden=512, layers=4, seq=32),  # ~9.4M parameters
+}
+
+
+def fused_ce(model: TinyCausalLM, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = model(ids) @ model.lm_head.weight.t()
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class NativeLoss(nn.Module):
+    """The same loss computed inside the model's own forward: the native path routing must match."""
+
+    def __init__(self, lm: TinyCausalLM) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return fused_ce(self.lm, ids, labels)
+
+
+def _sync_time(step: Callable[[], Any]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _paired(a: Callable[[], Any], b: Callable[[], Any], reps: int, warmup: int = 3) -> dict[str, Any]:
+    for _ in range(warmup):
+        a()
+        b()
+    times_a, times_b = [], []
+    for rep in range(reps):
+        order = (a, b) if rep % 2 == 0 else (b, a)
+        first = _sync_time(order[0])
+        second = _sync_time(order[1])
+        ta, tb = (first, second) if rep % 2 == 0 else (second, first)
+        times_a.append(ta)
+        times_b.append(tb)
+    ratios = sorted(x / y for x, y in zip(times_a, times_b, strict=True))
+    q = lambda values, f: sorted(values)[min(len(values) - 1, int(f * len(values)))]  # noqa: E731
+    return {
+        "median_a_ms": q(times_a, 0.5) * 1e3,
+        "median_b_ms": q(times_b, 0.5) * 1e3,
+        "ratio": q(ratios, 0.5),
+        "ratio_p10": q(ratios, 0.1),
+        "ratio_p90": q(ratios, 0.9),
+        "reps": reps,
+    }
+
+
+def ddp_step_ratio(size: str, reps: int) -> dict[str, Any]:
+    """Routed DDP step / native DDP step (loss inside the model's forward), forward+backward+SGD."""
+    config = SIZES[size]
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    ids = torch.randint(0, config.vocab, (4, config.seq), generator=generator)
+    labels = torch.roll(ids, -1, 1)
+    lm_native, lm_routed = build_model(config), build_model(config)
+    native = DDP(NativeLoss(lm_native))
+    routed = DDP(lm_routed)
+    opt_native = torch.optim.SGD(native.parameters(), lr=1e-3)
+    opt_routed = torch.optim.SGD(routed.parameters(), lr=1e-3)
+
+    def native_step() -> None:
+        native(ids, labels).backward()
+        opt_native.step()
+        opt_native.zero_grad(set_to_none=True)
+
+    def routed_step() -> None:
+        route_loss(routed, lm_routed, fused_ce, lm_routed, ids, labels).backward()
+        opt_routed.step()
+        opt_routed.zero_grad(set_to_none=True)
+
+    params = sum(p.numel() for p in lm_routed.parameters())
+    return {"params": params, **_paired(routed_step, native_step, reps)}
+
+
+def fallback_ratio(reps: int) -> dict[str, Any]:
+    """Liger DPO routed isolated (the fallback) / routed plainly (no fallback needed once compiled), and the
+    fallback / the crash-free alternative a user could pick instead (``compiled=False``)."""
+    from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
+
+    case, config = LOSSES["liger_dpo"], LIGER_CONFIG
+    model = build_model(config)
+    ddp = DDP(model)
+    extras = case.extras(config)
+    eager_extras = {**case.extras(config), "dpo": LigerFusedLinearDPOLoss(beta=0.1, compiled=False)}
+    batch = make_batch(case, config, dist.get_rank(), 0, 0)
+    case.compute(build_model(config), batch, extras).backward()  # compile once, outside DDP: no crash later
+
+    def step(mode: str, ex: dict[str, Any]) -> Callable[[], None]:
+        def run() -> None:
+            route_loss(ddp, model, case.compute, model, batch, ex, mode=mode).backward()  # type: ignore[arg-type]
+            model.zero_grad(set_to_none=True)
+
+        return run
+
+    return {
+        "isolate_vs_redirect": _paired(step("isolate", extras), step("redirect", extras), reps),
+        "isolate_vs_uncompiled": _paired(step("isolate", extras), step("redirect", eager_extras), reps),
+    }
+
+
+CALLS = 2000
+
+
+def _repeat(call: Callable[[], Any]) -> None:
+    for _ in range(CALLS):
+        call()
+
+
+def call_overhead(reps: int) -> dict[str, Any]:
+    """Per-call cost of routing a trivial loss through DDP (no grad, so only the routing and DDP's forward
+    bookkeeping are timed): ours vs TRL's ``_ForwardRedirection`` (Lightning's), and vs parameter count."""
+    out: dict[str, Any] = {}
+    x = torch.ones(())
+
+    def trivial(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    try:
+        from trl.models.utils import _ForwardRedirection
+
+        theirs: Any = _ForwardRedirection()
+    except ImportError:
+        theirs = None
+    for label, config in (
+        ("1e5", TinyConfig(vocab=1024, hidden=48, layers=1)),
+        ("1e6", TinyConfig(vocab=4096, hidden=128, layers=2)),
+        ("1e7", TinyConfig(vocab=8192, hidden=512, layers=4)),
+    ):
+        # Separate models: TRL's redirection leaves a ``forward`` attribute on the module it touched.
+        model, their_model = build_model(config), build_model(config)
+        ddp, their_ddp = DDP(model), DDP(their_model)
+        ours = functools.partial(_repeat, functools.partial(route_loss, ddp, model, trivial, x))
+        trl = functools.partial(_repeat, functools.partial(theirs, their_ddp, their_model, trivial, x))
+        with torch.no_grad():
+            row: dict[str, Any] = {"params": sum(p.numel() for p in model.parameters())}
+            if theirs is not None:
+                paired = _paired(ours, trl, reps, warmup=1)
+                row["ours_us"] = paired["median_a_ms"] * 1e3 / CALLS
+                row["trl_us"] = paired["median_b_ms"] * 1e3 / CALLS
+                row["ours_over_trl"] = paired["ratio"]
+                row["ratio_p10"], row["ratio_p90"] = paired["ratio_p10"], paired["ratio_p90"]
+            else:
+                row["ours_us"] = min(_sync_time(ours) for _ in range(reps)) * 1e6 / CALLS
+        out[label] = row
+    return out
+
+
+def peak_rss(path: str, size: str, steps: int) -> dict[str, Any]:
+    """Peak RSS of this (fresh) rank after ``steps`` steps of one path: call in a fresh pool per path."""
+    config = SIZES[size]
+    ids = torch.randint(0, config.vocab, (4, config.seq))
+    labels = torch.roll(ids, -1, 1)
+    lm = build_model(config)
+    if path == "native":
+        model: nn.Module = DDP(NativeLoss(lm))
+        step: Callable[[], torch.Tensor] = lambda: model(ids, labels)  # noqa: E731
+    else:
+        model = DDP(lm)
+        step = lambda: route_loss(model, lm, fused_ce, lm, ids, labels)  # noqa: E731
+    for _ in range(steps):
+        step().backward()
+        model.zero_grad(set_to_none=True)
+    return {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _routed_versus(
+    wrapper: str, opts: dict[str, Any], alternative: Callable[[Any, Any], None], reps: int
+) -> dict[str, Any]:
+    """Routed step vs ``alternative(wrapped, batch)`` on the 10M model, timed side by side, each with its
+    max |grad - single-process reference| (or the error it raised: then it is not timed)."""
+    from wrapperroute.check.wrappers import WRAPPERS
+
+    config = SIZES["10M"]
+    case = LOSSES["fused_ce"]
+    batches = [make_batch(case, config, r, 0, 0, rows=4) for r in range(dist.get_world_size())]
+    batch = batches[dist.get_rank()]
+    reference = build_model(config)
+    case.compute(reference, case.concat(batches), {}).backward()
+    ref = {n: p.grad for n, p in reference.named_parameters()}
+    routed = WRAPPERS[wrapper].build(build_model(config), opts)
+    other = WRAPPERS[wrapper].build(build_model(config), opts)
+
+    def routed_step() -> None:
+        routed.backward(route_loss(routed.model, routed.inner, case.compute, routed.inner, batch, {}))
+
+    def other_step() -> None:
+        alternative(other, batch)
+
+    def error(wrapped: Any, step: Callable[[], None]) -> float | str:
+        try:
+            step()
+            grads = wrapped.full_grads()
+        except Exception as failure:  # the alternative may not run at all: that is its correctness
+            return f"{type(failure).__name__}: {str(failure)[:80]}"
+        finally:
+            wrapped.model.zero_grad()
+        return max(float((grads[n] - ref[n]).abs().max()) for n in ref)
+
+    result: dict[str, Any] = {"routed_max_ref_diff": error(routed, routed_step)}
+    result["alternative_max_ref_diff"] = error(other, other_step)
+    if not isinstance(result["alternative_max_ref_diff"], str):
+        result.update(_paired(routed_step, other_step, reps))
+    return result
+
+
+def _full_tensor_loss(wrapped: Any, batch: dict[str, torch.Tensor]) -> None:
+    """TRL's choice under FSDP2: the root forward runs, lm_head's weight is gathered by a differentiable
+    ``full_tensor()`` (its own group's forward never runs)."""
+    from torch.distributed.tensor import DTensor
+
+    hidden = wrapped.model(batch["input_ids"])
+    weight = wrapped.model.lm_head.weight
+    weight = weight.full_tensor() if isinstance(weight, DTensor) else weight
+    logits = hidden @ weight.t()
+    F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).backward()
+
+
+def _gathered_loss(wrapped: Any, batch: dict[str, torch.Tensor]) -> None:
+    """ZeRO-3 without the engine's forward: every parameter gathered around a loss on the unwrapped module."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(wrapped.inner.parameters())):
+        wrapped.backward(LOSSES["fused_ce"].compute(wrapped.inner, batch, {}))
+
+
+def fsdp2_alternatives(reps: int) -> dict[str, Any]:
+    """FSDP2, lm_head its own group: routed vs the ``full_tensor()`` gather."""
+    return _routed_versus("fsdp2", {"groups": "layers"}, _full_tensor_loss, reps)
+
+
+def zero3_alternatives(reps: int) -> dict[str, Any]:
+    """ZeRO-3: routed vs ``GatheredParameters`` over every parameter."""
+    return _routed_versus("zero3", {}, _gathered_loss, reps)

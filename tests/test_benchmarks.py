@@ -1,0 +1,22 @@
+"""The benchmark harness runs (a smoke run, no timing asserted: figures live in benchmarks/results/)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+BENCH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def test_quick_benchmark_runs(tmp_path: pathlib.Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "run.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "quick.json").read_text())
+    assert results["ddp_step"]["tiny"]["ratio"] > 0 and results["ddp_step"]["tiny"]["reps"] == 5
+    assert results["overhead_no_wrapper"]["overhead_us"] > 0
+    assert "routed / native DDP step" in done.stdout
