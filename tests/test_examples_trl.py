@@ -18,7 +18,7 @@ def _run(name: str, *args: str) -> str:
         [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+    return done.stdout + done.stderr  # the rank workers print to stderr (see wrapperroute/ranks.py)
 
 
 def test_custom_loop() -> None:

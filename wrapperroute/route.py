@@ -17,11 +17,13 @@ import contextlib
 import functools
 import logging
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ._kept import kept_forward_context
@@ -36,6 +38,8 @@ MODES: tuple[str, ...] = ("auto", "redirect", "isolate")
 log = logging.getLogger("wrapperroute")
 
 _MISSING = object()
+# Results whose body has not run yet: a loss computed from them would run outside the wrapper's forward.
+_LAZY_RESULTS = frozenset({types.CoroutineType, types.GeneratorType, types.AsyncGeneratorType})
 
 
 class _ThreadState(threading.local):
@@ -97,7 +101,15 @@ class _Call:
                     return _call_through(
                         unit, self.adapter, self.fn, self.args, self.kwargs, self.isolate, self.gather, rest
                     )
-                return self.fn(*self.args, **self.kwargs)
+                result = self.fn(*self.args, **self.kwargs)
+                if type(result) in _LAZY_RESULTS:
+                    raise RouteTypeError(
+                        f"fn returned a {type(result).__name__}: its body has not run, so the loss would be "
+                        "computed later, outside the wrapper's forward. Pass a plain function that returns the "
+                        "loss (call the async/generator function yourself inside it)."
+                    )
+                self.adapter.check_result(wrapper, result)
+                return result
         finally:
             if passthrough:
                 if saved is _MISSING:
@@ -116,11 +128,12 @@ class _Redirection:
     Built once per target and kept while the target lives; it holds the target only weakly.
     """
 
-    __slots__ = ("count", "dispatch", "kept", "kept_source", "lock", "saved")
+    __slots__ = ("count", "dispatch", "grad_calls", "kept", "kept_source", "lock", "saved")
 
     def __init__(self, target: nn.Module) -> None:
         self.lock = threading.Lock()
         self.count = 0
+        self.grad_calls = 0  # in-flight calls recording a graph
         self.saved: object = _MISSING  # the instance forward we replaced, while swapped
         self.kept: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
         self.kept_source: weakref.ref[Any] | None = None  # the instance forward ``kept`` was read from
@@ -168,12 +181,17 @@ def _make_dispatch(target_ref: weakref.ref[nn.Module], state: _Redirection) -> C
     return forward
 
 
+_hooks_probe = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+
+
 def _saved_tensor_hooks_enabled() -> bool:
-    probe = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
-    return bool(probe()) if probe is not None else True
+    return bool(_hooks_probe()) if _hooks_probe is not None else True
 
 
 def _fallback_key(fn: Callable[..., Any]) -> object:
+    code = getattr(fn, "__code__", None)
+    if code is not None:  # a plain function or lambda: the common case
+        return code
     while isinstance(fn, functools.partial):
         fn = fn.func
     fn = getattr(fn, "__func__", fn)
@@ -200,6 +218,10 @@ def _as_gather(gather: nn.Module | Iterable[nn.Module] | None) -> tuple[nn.Modul
         return ()
     if isinstance(gather, nn.Module):
         return (gather,)
+    if isinstance(gather, str):
+        raise RouteTypeError(
+            f"gather= takes modules, not names: got {gather!r}; pass unwrapped.get_submodule({gather!r})"
+        )
     modules = tuple(gather)
     for module in modules:
         if not isinstance(module, nn.Module):
@@ -240,12 +262,15 @@ class _Plan:
     inside it. Kept while the model lives (held weakly) and while its class stays the same (fully_shard
     changes a module's class)."""
 
-    __slots__ = ("checked", "found", "model_ref", "model_type")
+    __slots__ = ("checked", "found", "model_ref", "model_type", "target")
 
     def __init__(self, model: nn.Module) -> None:
         self.found = detect(model)  # first: it names a non-module argument clearly
         self.model_ref = weakref.ref(model)
         self.model_type = type(model)
+        # nn.Module attribute lookups of submodules (``ddp.module``) cost a microsecond: once per model.
+        wrapper, adapter = self.found.wrapper, self.found.adapter
+        self.target = None if wrapper is None or adapter is None else adapter.redirect_target(wrapper)
         self.checked: dict[int, weakref.ref[nn.Module]] = {}
 
     def check_inside(self, module: nn.Module, role: str) -> None:
@@ -277,6 +302,7 @@ def route_loss(
     *args: Any,
     mode: Mode = "auto",
     gather: nn.Module | Iterable[nn.Module] | None = None,
+    agree: bool = False,
     **kwargs: Any,
 ) -> T:
     """Call ``fn(*args, **kwargs)`` inside ``model``'s distributed-wrapper forward and return its result.
@@ -298,9 +324,25 @@ def route_loss(
             call). ``"redirect"`` never isolates.
         gather: modules whose parameters ``fn`` reads directly and that live in their own shard unit (FSDP)
             or partition (ZeRO-3), e.g. ``[unwrapped.lm_head]``; ignored by replicated wrappers.
+        agree: after ``fn`` (raised or not), every rank of the wrapper's process group exchanges one success
+            flag (one small all-reduce on a side group, so it never pairs with the wrapper's own collectives).
+            If ``fn`` failed on any rank, every rank raises :class:`RouteStateError` naming the failed ranks
+            (chained to the error on the ranks where it happened) instead of the others hanging in the
+            backward's collectives. Off by default: it costs one collective per step. Without it, a failure on
+            one rank is bounded only by the process group's timeout (``init_process_group(timeout=...)``).
 
-    Keyword arguments named ``mode`` or ``gather`` are taken by ``route_loss``; pass such arguments to ``fn``
-    with ``functools.partial``.
+    If ``fn`` raises, the wrapper is returned to its between-steps state (forward restored, FSDP units
+    resharded and idle, ZeRO-3 parameters released; FSDP2 ``no_sync`` accumulation of the failed step is
+    discarded, as ``reset_iter_state`` does) and the error propagates: the next step is exact.
+
+    Legitimate and routed as usual: ``torch.no_grad()`` (an evaluation loss: FSDP still unshards, DDP does not
+    arm its reducer), a model in ``eval()`` mode, and a call from inside the wrapper's own forward (``fn`` is
+    then called directly: the wrapper is already prepared). Two threads may route through one DDP model at
+    once when at most one of them records a graph; any other concurrent use of one wrapper raises
+    :class:`RouteStateError`.
+
+    Keyword arguments named ``mode``, ``gather`` or ``agree`` are taken by ``route_loss``; pass such arguments
+    to ``fn`` with ``functools.partial``.
     """
     if not callable(fn):
         raise RouteTypeError(
@@ -321,23 +363,59 @@ def route_loss(
     wrapper, adapter = found.wrapper, found.adapter
     if wrapper is None or adapter is None:
         return fn(*args, **kwargs)
-    if id(wrapper) in _thread.routing or adapter.in_forward(wrapper):
+    if id(wrapper) in _thread.routing:
         # Already inside this wrapper's forward: it is armed for this step; entering again would clobber it.
         return fn(*args, **kwargs)
+    if adapter.in_forward(wrapper):
+        # The wrapper's own forward is running. Ours in another thread (its flags are process-wide): go on to
+        # the concurrency check in _call_through. Otherwise this thread's (fn routed from inside the model's
+        # forward): armed already, so a plain call.
+        state = _redirections.get(id(adapter.redirect_target(wrapper)))
+        if state is None or not state.count:
+            return fn(*args, **kwargs)
+    if not dist.is_initialized():
+        raise RouteStateError(
+            f"model is a {found.kind!r} wrapper but torch.distributed has no process group (never initialised, "
+            "or destroyed): its forward cannot synchronise anything. Call torch.distributed.init_process_group "
+            "before routing (and keep it until the last step), or route the unwrapped model without a wrapper."
+        )
     adapter.validate_gather(wrapper, modules)
     nested = adapter.nested_units(wrapper, modules)
+    if not agree:
+        return _route(wrapper, adapter, fn, args, kwargs, mode, modules, nested)
+    try:
+        result = _route(wrapper, adapter, fn, args, kwargs, mode, modules, nested)
+    except BaseException as error:
+        _agree(adapter, wrapper, error)
+        raise
+    _agree(adapter, wrapper, None)
+    return result
 
+
+def _route(
+    wrapper: nn.Module,
+    adapter: Adapter,
+    fn: Callable[..., T],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    mode: Mode,
+    modules: tuple[nn.Module, ...],
+    nested: tuple[nn.Module, ...],
+) -> T:
     key = _fallback_key(fn)
     isolate = mode == "isolate" or (mode == "auto" and key in _isolated_losses)
     hooks_enabled = _saved_tensor_hooks_enabled()
     try:
         return _call_through(wrapper, adapter, fn, args, kwargs, isolate, modules, nested)
-    except Exception as error:
+    except _RefusedError:
+        raise  # nothing was entered; the wrapper belongs to the thread inside it: leave it alone
+    except BaseException as error:  # KeyboardInterrupt too: a notebook user may go on training
+        _recover(adapter, wrapper)
         # A compile that failed inside a torch.func transform leaves it half-run; entering it disabled
         # saved-tensor hooks, and everything after (the retry, gradient checkpointing) would fail without them.
         if hooks_enabled and not _saved_tensor_hooks_enabled():
             torch._C._autograd._saved_tensors_hooks_enable()
-        if mode != "auto" or isolate or not _is_graph_optimizer_failure(error):
+        if not isinstance(error, Exception) or mode != "auto" or isolate or not _is_graph_optimizer_failure(error):
             raise
     _isolated_losses.add(key)
     log.warning(
@@ -345,7 +423,57 @@ def route_loss(
         "running it isolated from that optimizer from now on. Pass mode='isolate' to skip the first attempt.",
         getattr(fn, "__qualname__", type(fn).__name__),
     )
-    return _call_through(wrapper, adapter, fn, args, kwargs, True, modules, nested)
+    try:
+        return _call_through(wrapper, adapter, fn, args, kwargs, True, modules, nested)
+    except BaseException:
+        _recover(adapter, wrapper)
+        raise
+
+
+class _RefusedError(RouteStateError):
+    """Another thread is inside this wrapper's forward: refused before entering anything."""
+
+
+def _recover(adapter: Adapter, wrapper: nn.Module) -> None:
+    try:
+        adapter.recover(wrapper)
+    except Exception:  # never mask the loss's own error; say loudly that the wrapper may be unusable
+        log.exception("wrapperroute: could not reset the %s wrapper after a failed step", adapter.kind)
+
+
+# (id of the wrapper's process group or None, its rank tuple) -> the side group agreement runs on
+_agree_groups: dict[tuple[int, tuple[int, ...]], Any] = {}
+
+
+def _agree(adapter: Adapter, wrapper: nn.Module, error: BaseException | None) -> None:
+    """Exchange one success flag with every rank of the wrapper's group; raise if any rank failed.
+
+    On a side group (created once per wrapper group, by its members only), so a rank that failed before one of
+    the wrapper's own collectives never pairs this all-reduce with that collective.
+    """
+    group = adapter.process_group(wrapper)
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    key = (id(group), ranks)
+    side = _agree_groups.get(key)
+    if side is None:
+        side = _agree_groups[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+    backend = str(dist.get_backend(side))
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    flags = torch.zeros(len(ranks), dtype=torch.int32, device=device)
+    flags[ranks.index(dist.get_rank())] = error is not None
+    dist.all_reduce(flags, group=side)
+    failed = [rank for rank, flag in zip(ranks, flags.tolist(), strict=True) if flag]
+    if not failed:
+        return
+    if error is None:  # our step ran to the end: reset as the failed ranks did, so every rank's state matches
+        _recover(adapter, wrapper)
+    here = dist.get_rank()
+    what = f"{type(error).__name__}: {error}" if error is not None else "none here"
+    raise RouteStateError(
+        f"route_loss failed on rank(s) {failed} of {list(ranks)} (this is rank {here}; its error: {what}). Every "
+        "rank stops here instead of waiting in the backward's collectives; the wrapper is reset and usable. "
+        "See the failed ranks' tracebacks for the cause."
+    ) from error
 
 
 def _call_through(
@@ -357,11 +485,23 @@ def _call_through(
     isolate: bool,
     gather: tuple[nn.Module, ...],
     nested: tuple[nn.Module, ...] = (),
+    target: nn.Module | None = None,
 ) -> T:
-    target = adapter.redirect_target(wrapper)
+    if target is None:
+        target = adapter.redirect_target(wrapper)
     call = _Call(wrapper, adapter, fn, args, kwargs, isolate, gather, nested, target)
     state = _redirection_for(target)
+    grad = torch.is_grad_enabled()
     with state.lock:
+        if state.count:  # another thread is inside this wrapper's forward (one thread never gets here twice)
+            reason = adapter.concurrency_error(wrapper, grad, state.grad_calls)
+            if reason is not None:
+                raise _RefusedError(
+                    f"another thread is running a routed forward through this {adapter.kind} wrapper right now, "
+                    f"and {reason}. Serialise the steps (one lock around route_loss and backward), route "
+                    "evaluation calls under torch.no_grad() (DDP), or use separate models on separate process "
+                    "groups."
+                )
         if state.count == 0:
             saved = target.__dict__.get("forward", _MISSING)
             state.saved = saved
@@ -375,6 +515,7 @@ def _call_through(
                     state.kept_source = None
             target.__dict__["forward"] = state.dispatch
         state.count += 1
+        state.grad_calls += grad
     pending = _thread.pending
     pending[id(target)] = call
     try:
@@ -384,6 +525,7 @@ def _call_through(
         pending.pop(id(target), None)
         with state.lock:
             state.count -= 1
+            state.grad_calls -= grad
             if state.count == 0:
                 if state.saved is _MISSING:
                     target.__dict__.pop("forward", None)

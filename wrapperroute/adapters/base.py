@@ -68,6 +68,23 @@ class Adapter:
         """
         return ()
 
+    def check_result(self, wrapper: nn.Module, result: Any) -> None:
+        """Reject, inside the forward (so the wrapper's post-forward never sees it), a result the wrapper
+        would mishandle. Called on every routed step: keep it cheap."""
+
+    def recover(self, wrapper: nn.Module) -> None:
+        """Return the wrapper to its between-steps state after an exception escaped its forward (raised by the
+        loss, or by the wrapper around it). Must not run collectives: on a fault, ranks may have diverged."""
+
+    def concurrency_error(self, wrapper: nn.Module, grad: bool, grad_calls: int) -> str | None:
+        """Why a routed forward may not start while another thread is inside this wrapper's forward (``grad``:
+        this call records a graph; ``grad_calls``: in-flight calls that do), or None when it may."""
+        return f"{self.kind} is not thread-safe: concurrent forwards unshard and reshard each other's parameters"
+
+    def process_group(self, wrapper: nn.Module) -> Any:
+        """The process group whose ranks all run this wrapper's step (``agree=True``); None: the default."""
+        return None
+
     def validate_gather(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> None:
         """Reject ``gather=`` entries this wrapper cannot honour.
 

@@ -18,9 +18,12 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _find_tensors
 
+from ..errors import RouteValueError
 from .base import NOTHING, Adapter
 
 
@@ -50,6 +53,37 @@ class DDPAdapter(Adapter):
         self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]
     ) -> contextlib.AbstractContextManager[Any]:
         return _without_graph_optimizer() if isolate else NOTHING
+
+    def check_result(self, wrapper: nn.Module, result: Any) -> None:
+        # With find_unused_parameters, _post_forward walks the output (_find_tensors: tensors, lists, tuples,
+        # dicts, dataclasses) and marks every parameter it cannot reach as unused. A loss it cannot see (no
+        # tensor, detached, or held in another object) gets every parameter marked unused, and the backward
+        # then fails with DDP's misleading "marked as ready twice". Raised here, before _post_forward, the
+        # reducer is left unprepared: the next step runs normally.
+        ddp: DistributedDataParallel = wrapper  # type: ignore[assignment]
+        if not (ddp.find_unused_parameters and ddp.require_backward_grad_sync and torch.is_grad_enabled()):
+            return
+        if any(t.requires_grad for t in _find_tensors(result)):
+            return
+        raise RouteValueError(
+            f"fn returned {type(result).__name__} with no tensor that requires grad, under DDP "
+            "find_unused_parameters=True: DDP would mark every parameter unused and the backward would fail "
+            "('marked as ready twice'). Return the loss tensor (alone or in a tuple, list, dict or dataclass); "
+            "for a call that computes no loss (metrics, evaluation) run route_loss under torch.no_grad()."
+        )
+
+    def concurrency_error(self, wrapper: nn.Module, grad: bool, grad_calls: int) -> str | None:
+        # Gradient sync state (the reducer) is per model: one recorded forward per backward. A no-grad forward
+        # leaves the reducer alone, unless it broadcasts buffers (a collective racing the other thread's).
+        ddp: DistributedDataParallel = wrapper  # type: ignore[assignment]
+        if ddp.will_sync_module_buffers():
+            return "this DDP broadcasts module buffers in every forward, and two threads' broadcasts would race"
+        if grad and grad_calls:
+            return "DDP's reducer arms one forward per backward, so two grad-enabled forwards would corrupt it"
+        return None
+
+    def process_group(self, wrapper: nn.Module) -> Any:
+        return wrapper.process_group
 
 
 @contextlib.contextmanager

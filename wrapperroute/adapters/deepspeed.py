@@ -67,6 +67,19 @@ class DeepSpeedAdapter(Adapter):
                     "own; pass submodules of the model given to deepspeed.initialize"
                 )
 
+    def recover(self, wrapper: nn.Module) -> None:
+        # ZeRO-3: the failed forward skipped the engine's epilogue, so every module still says "in forward" (the
+        # next step would be taken for a nested call) and the parameters it gathered stay whole. Run the
+        # epilogue and release them (partitioning is local: no collective). ZeRO 0-2 keep no forward state.
+        engine: DeepSpeedEngine = wrapper
+        if _stage(engine) != 3 or not self.in_forward(engine):
+            return
+        engine._forward_epilogue()
+        engine.empty_partition_cache()
+
+    def concurrency_error(self, wrapper: nn.Module, grad: bool, grad_calls: int) -> str | None:
+        return "a DeepSpeed engine keeps one forward's state (ZeRO-3 gathers, timers, hooks) and is not thread-safe"
+
     @contextlib.contextmanager
     def inside(self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]) -> Iterator[None]:
         engine: DeepSpeedEngine = wrapper

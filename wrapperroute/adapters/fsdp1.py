@@ -49,6 +49,28 @@ class FSDP1Adapter(Adapter):
             "nested_units": sum(1 for m in wrapper.modules() if _is_unit(m)) - 1,
         }
 
+    def recover(self, wrapper: nn.Module) -> None:
+        # What FSDP's post-backward final callback does between steps, minus gradient finalisation: reshard
+        # every unit and mark it idle. Without this the root stays in FORWARD and the next step would be taken
+        # for a call from inside the forward. Always free the unsharded buffer: a unit that kept it (the root
+        # after a completed forward) would skip its next all-gather while a rank that freed it would not.
+        from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
+        from torch.distributed.fsdp._runtime_utils import _reshard
+
+        for state in getattr(wrapper, "_all_fsdp_states", None) or [wrapper]:
+            handle = getattr(state, "_handle", None)
+            if handle is not None:
+                if handle.uses_sharded_strategy:
+                    _reshard(state, handle, True)
+                handle._training_state = HandleTrainingState.IDLE
+                handle._prefetched = False
+                handle._needs_pre_backward_unshard = False
+                handle._post_forward_index = None
+            state.training_state = TrainingState.IDLE
+
+    def process_group(self, wrapper: nn.Module) -> Any:
+        return wrapper.process_group
+
     def nested_units(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
         if gather:
             return owning_units(wrapper, gather, _is_unit)

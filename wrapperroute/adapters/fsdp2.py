@@ -51,6 +51,23 @@ class FSDP2Adapter(Adapter):
     def describe(self, wrapper: nn.Module) -> dict[str, Any]:
         return {"nested_groups": sum(1 for m in wrapper.modules() if _is_unit(m)) - 1}
 
+    def recover(self, wrapper: nn.Module) -> None:
+        # FSDP2's documented recovery after a forward that raised (torch >= 2.13): reshard every group and
+        # clear the iteration's trackers; otherwise the root stays in FORWARD with iter_forward_root set.
+        reset = getattr(wrapper, "reset_iter_state", None)
+        if reset is not None:
+            reset()
+            return
+        state = wrapper._get_fsdp_state()  # type: ignore[operator]
+        ctx = state._state_ctx
+        for each in ctx.all_states:  # older torch: the same by hand, without collectives
+            for group in each._fsdp_param_groups if hasattr(each, "_fsdp_param_groups") else [each._fsdp_param_group]:
+                if group is not None:
+                    group._training_state = type(group._training_state).IDLE
+                    group.reshard()
+            each._training_state = type(each._training_state).IDLE
+        ctx.iter_forward_root = None
+
     def nested_units(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
         if gather:
             return owning_units(wrapper, gather, _is_unit)

@@ -45,9 +45,14 @@ def build_fsdp1(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
             for name, module in fsdp.named_modules():
                 if module is unit:
                     prefix = _clean(name) + "." if name else ""
+            # The flat parameter interleaves alignment padding with the parameters (use_orig_params pads each
+            # to 16 bytes): walk its padded layout, not the bare numels.
             offset = 0
-            for fqn, shape, numel in zip(flat._fqns, flat._shapes, flat._numels, strict=True):
-                grads[prefix + _clean(fqn)] = full[offset : offset + numel].view(shape).clone()
+            params = iter(zip(flat._fqns, flat._shapes, flat._numels, strict=True))
+            for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
+                if not padding:
+                    fqn, shape, _ = next(params)
+                    grads[prefix + _clean(fqn)] = full[offset : offset + numel].view(shape).clone()
                 offset += numel
         return grads
 

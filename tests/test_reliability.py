@@ -1,0 +1,265 @@
+"""Reliability (issue 8): bad input, faults, one failing rank, long runs and threads, on real wrappers.
+
+Every rank-side function catches the errors it expects and returns them as data, so the pool is never
+restarted on the happy path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from typing import Any
+
+import pytest
+import rankside_reliability as rr
+import torch
+from torch import nn
+
+import wrapperroute as wr
+from wrapperroute.check.models import TinyConfig, build_model
+from wrapperroute.ranks import RankPool
+
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+TOLERANCE = 1e-6
+NEEDS_DS = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install wrapperroute[ds])")
+ZERO3 = {"zero": {"stage3_param_persistence_threshold": 0}}  # partition even the tiny model's parameters
+WRAPPERS = [
+    pytest.param("ddp", {}, id="ddp"),
+    pytest.param("ddp", {"find_unused_parameters": True}, id="ddp-find_unused"),
+    pytest.param("fsdp1", {}, id="fsdp1"),
+    pytest.param("fsdp1", {"lm_head_unit": True}, id="fsdp1-lm_head_unit"),
+    pytest.param("fsdp2", {}, id="fsdp2"),
+    pytest.param("fsdp2", {"groups": "layers"}, id="fsdp2-layers"),
+    *(pytest.param(f"zero{s}", {}, id=f"zero{s}", marks=NEEDS_DS) for s in range(3)),
+    pytest.param("zero3", ZERO3, id="zero3", marks=NEEDS_DS),
+]
+
+
+def _exact(step: dict[str, Any]) -> None:
+    assert step["params"] > 0 and step["differ"] == 0 and step["max_ref_diff"] <= TOLERANCE, step
+
+
+# --- bad input: single process ------------------------------------------------------------------------------
+
+
+def _hooks(module: nn.Module) -> int:
+    return rr.hook_count(module)
+
+
+def _plain_case(call: Any, error: type[Exception], words: str) -> None:
+    model = build_model(TinyConfig())
+    hooks = _hooks(model)
+    with pytest.raises(error, match=words) as info:
+        call(model)
+    assert isinstance(info.value, wr.WrapperRouteError)
+    assert "forward" not in model.__dict__ and _hooks(model) == hooks
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    assert wr.route_loss(model, model, lambda: model(ids).sum()).shape == ()  # still usable
+
+
+def test_bad_input_model_is_a_class() -> None:
+    _plain_case(lambda m: wr.route_loss(type(m), None, lambda: 0), wr.RouteTypeError, "got type")
+
+
+def test_bad_input_gather_by_name() -> None:
+    _plain_case(
+        lambda m: wr.route_loss(m, m, lambda: 0, gather="lm_head"), wr.RouteTypeError, r"get_submodule\('lm_head'\)"
+    )
+
+
+def test_model_without_parameters_is_a_plain_call() -> None:
+    """Legitimate: nothing to synchronise, so fn is simply called (DDP itself refuses such a model)."""
+    model = nn.Sequential(nn.ReLU())
+    assert wr.route_loss(model, model, lambda x: model(x).sum(), torch.tensor([-1.0, 2.0])) == 2.0
+    assert "forward" not in model.__dict__
+
+
+def test_bad_input_process_group_gone(tmp_path: Any) -> None:
+    """A real (one-rank) DDP whose process group was destroyed: a RouteStateError naming init_process_group."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = build_model(TinyConfig())
+        ddp = DDP(model)
+    finally:
+        dist.destroy_process_group()
+    hooks = _hooks(ddp)
+    with pytest.raises(wr.RouteStateError, match="init_process_group") as info:
+        wr.route_loss(ddp, model, lambda: model(torch.zeros(1, 2, dtype=torch.long)).sum())
+    assert isinstance(info.value, RuntimeError)
+    assert "forward" not in model.__dict__ and "forward" not in ddp.__dict__ and _hooks(ddp) == hooks
+
+
+# --- bad input and legitimate odd uses on real wrappers -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bad_input(pool: RankPool) -> list[dict[str, dict[str, Any]]]:
+    return pool.run(rr.bad_input_cases)
+
+
+BAD_INPUT = {
+    "unwrapped-is-the-wrapper": ("RouteValueError", "wrapper layer itself"),
+    "unwrapped-of-another-model": ("RouteValueError", "is not inside model"),
+    "gather-outside-fsdp2": ("RouteValueError", "is not inside model"),
+    "gather-by-name": ("RouteTypeError", "not names"),
+    "no-tensor-find-unused": ("RouteValueError", "find_unused_parameters=True"),
+    "detached-find-unused": ("RouteValueError", "no tensor that requires grad"),
+    "async-fn": ("RouteTypeError", "coroutine"),
+    "generator-fn": ("RouteTypeError", "generator"),
+    "async-fn-fsdp2": ("RouteTypeError", "coroutine"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_on_wrapper(bad_input: list[dict[str, dict[str, Any]]], case: str) -> None:
+    error, words = BAD_INPUT[case]
+    for rank in bad_input:
+        entry = rank[case]
+        assert entry["error"] == error and words in entry["message"], entry
+        assert "WrapperRouteError" in entry["mro"] and ("TypeError" in entry["mro"] or "ValueError" in entry["mro"])
+        assert entry["clean"], f"state left behind: {entry}"
+        _exact(entry["after"])  # the same wrapper, next step
+
+
+def test_bad_input_messages_name_the_fix(bad_input: list[dict[str, dict[str, Any]]]) -> None:
+    fixes = {"no-tensor-find-unused": "torch.no_grad()", "async-fn": "plain function", "gather-by-name": "submodule"}
+    for case, fix in fixes.items():
+        assert fix in bad_input[0][case]["message"], bad_input[0][case]
+
+
+@pytest.fixture(scope="module")
+def legit(pool: RankPool) -> list[dict[str, dict[str, Any]]]:
+    return pool.run(rr.legit_cases)
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp1", "fsdp2"])
+def test_no_grad_evaluation_is_routed(legit: list[dict[str, dict[str, Any]]], wrapper: str) -> None:
+    for rank in legit:
+        facts = rank[f"no_grad-{wrapper}"]
+        assert facts["value_diff"] <= TOLERANCE and not facts["requires_grad"], facts
+        assert facts["clean"], facts  # FSDP resharded, no forward left, no hook leaked
+        _exact(facts["after"])
+
+
+def test_eval_mode_is_routed(legit: list[dict[str, dict[str, Any]]]) -> None:
+    for rank in legit:
+        facts = rank["eval-mode-fsdp2"]
+        _exact(facts)
+        assert facts["modes_kept"]
+
+
+def test_route_from_inside_the_wrappers_forward(legit: list[dict[str, dict[str, Any]]]) -> None:
+    for rank in legit:
+        facts = rank["inside-own-forward-ddp"]
+        assert facts["forward_calls"] == 1 and facts["differ"] == 0 and facts["max_ref_diff"] <= TOLERANCE, facts
+
+
+def test_lazy_fn_rejected_without_wrapper_is_a_plain_call() -> None:
+    """Without a wrapper nothing is routed: an async fn's coroutine comes back as is (the caller awaits it)."""
+    model = build_model(TinyConfig())
+
+    async def loss() -> int:
+        return 3
+
+    assert asyncio.run(wr.route_loss(model, model, loss)) == 3
+
+
+# --- faults -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("wrapper", "opts"), WRAPPERS)
+def test_exception_in_fn_on_every_rank(pool: RankPool, wrapper: str, opts: dict[str, Any]) -> None:
+    for rank in pool.run(rr.fault_then_exact, wrapper, opts):
+        assert rank["raised"] == "ValueError: boom inside the loss"
+        assert rank["after"] == rank["before"], rank  # forward, hooks, layout, in-forward flags
+        assert rank["after"]["sharded"] and not rank["after"]["in_forward"]
+        for step in rank["steps"]:
+            _exact(step)
+        assert rank["end"] == rank["before"]
+
+
+@pytest.mark.parametrize(("wrapper", "opts"), [("fsdp2", {"groups": "layers"}), ("ddp", {})], ids=["fsdp2", "ddp"])
+def test_keyboard_interrupt_in_fn(pool: RankPool, wrapper: str, opts: dict[str, Any]) -> None:
+    for rank in pool.run(rr.fault_then_exact, wrapper, opts, True):
+        assert rank["raised"].startswith("KeyboardInterrupt")
+        assert rank["after"] == rank["before"], rank
+        for step in rank["steps"]:
+            _exact(step)
+
+
+AGREE = [
+    pytest.param("ddp", {}, id="ddp"),
+    pytest.param("fsdp1", {"lm_head_unit": True}, id="fsdp1"),
+    pytest.param("fsdp2", {"groups": "layers"}, id="fsdp2"),
+    pytest.param("zero3", ZERO3, id="zero3", marks=NEEDS_DS),
+]
+
+
+@pytest.mark.parametrize(("wrapper", "opts"), AGREE)
+def test_one_rank_fails_with_agree(pool: RankPool, wrapper: str, opts: dict[str, Any]) -> None:
+    ranks = pool.run(rr.one_rank_fails_agreed, wrapper, opts, timeout=120)
+    for index, rank in enumerate(ranks):
+        assert rank["raised"] == "RouteStateError", rank
+        assert "failed on rank(s) [1]" in rank["message"], rank
+        assert rank["cause"] == ("ValueError" if index == 1 else "NoneType"), rank
+        assert rank["clean"] and rank["agreed_ok"], rank
+        _exact(rank["next"])
+
+
+def test_one_rank_fails_without_agree_is_bounded_by_the_group_timeout(pool: RankPool) -> None:
+    waiting, failed = pool.run(rr.one_rank_fails_bounded, 3.0, timeout=60)
+    assert failed["error"] == "ValueError: only rank 1 fails"
+    assert waiting["error"] is not None and "Timed out" in waiting["error"], waiting
+    assert 2.5 <= waiting["seconds"] <= 30, waiting
+    assert not waiting["forward_left"] and not failed["forward_left"]
+
+
+# --- long run -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("wrapper", "opts", "steps"), [("ddp", {}, 1000), ("fsdp2", {"groups": "layers"}, 150)], ids=["ddp", "fsdp2"]
+)
+def test_long_run(pool: RankPool, wrapper: str, opts: dict[str, Any], steps: int) -> None:
+    """1,000 DDP steps (FSDP2, ~40 ms a step on 2 CPU ranks, runs 150 to stay in the suite's budget)."""
+    for rank in pool.run(rr.long_run, wrapper, opts, steps, 50, timeout=300):
+        assert rank["steps"] == steps
+        assert rank["forward_changed"] == 0 and rank["hooks_changed"] == 0, rank
+        assert rank["rss_growth_mib"] <= 5.0, rank
+
+
+# --- threads ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def threads(pool: RankPool) -> list[dict[str, Any]]:
+    return pool.run(rr.threads_cases, timeout=120)
+
+
+def test_threads_two_models_with_grad(threads: list[dict[str, Any]]) -> None:
+    for rank in threads:
+        facts = rank["two_models"]
+        assert not facts["errors"] and facts["differ"] == 0 and facts["max_ref_diff"] <= TOLERANCE, facts
+        assert not facts["forward_left"]
+
+
+def test_threads_train_and_evaluate_one_model(threads: list[dict[str, Any]]) -> None:
+    for rank in threads:
+        facts = rank["train_and_eval"]
+        assert not facts["errors"], facts
+        assert facts["differ"] == 0 and facts["max_ref_diff"] <= TOLERANCE, facts
+        assert facts["eval_diff"] is not None and facts["eval_diff"] <= TOLERANCE, facts
+        assert not facts["forward_left"]
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_threads_two_grad_forwards_one_model_is_a_clear_error(threads: list[dict[str, Any]], wrapper: str) -> None:
+    for rank in threads:
+        facts = rank[f"two_grad_{wrapper}"]
+        assert facts["first_ok"] and facts["errors"] == ["RouteStateError"], facts
+        assert "another thread" in facts["message"] and "Serialise" in facts["message"], facts
+        assert facts["differ"] == 0 and facts["clean"], facts
