@@ -7,6 +7,7 @@ also registers its post-backward reduce-scatter exactly as a normal forward woul
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 from torch import nn
@@ -42,3 +43,21 @@ def owning_units(
         if owner is not None and all(owner is not u for u in units):
             units.append(owner)
     return tuple(units)
+
+
+def units_for(
+    wrapper: nn.Module,
+    inner: nn.Module,
+    gather: tuple[nn.Module, ...],
+    is_unit: Callable[[nn.Module], bool],
+    auto_cache: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, ...]],
+) -> tuple[nn.Module, ...]:
+    """The units to enter for ``gather``, or, when it is empty, for the output embedding (found once per
+    wrapper: the module tree does not change after wrapping)."""
+    if gather:
+        return owning_units(wrapper, gather, is_unit)
+    units = auto_cache.get(wrapper)
+    if units is None:
+        head = output_embedding(inner)
+        units = auto_cache[wrapper] = owning_units(wrapper, (head,), is_unit) if head is not None else ()
+    return units

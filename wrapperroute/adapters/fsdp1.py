@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from ._units import output_embedding, owning_units
+from ._units import units_for
 from .base import Adapter
 
 _auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, ...]] = weakref.WeakKeyDictionary()
@@ -72,10 +72,4 @@ class FSDP1Adapter(Adapter):
         return wrapper.process_group
 
     def nested_units(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
-        if gather:
-            return owning_units(wrapper, gather, _is_unit)
-        units = _auto_units.get(wrapper)
-        if units is None:
-            head = output_embedding(self.peel(wrapper))
-            units = _auto_units[wrapper] = owning_units(wrapper, (head,), _is_unit) if head is not None else ()
-        return units
+        return units_for(wrapper, self.peel(wrapper), gather, _is_unit, _auto_units)

@@ -23,7 +23,7 @@ try:  # exported here since torch 2.6
 except ImportError:  # torch 2.4-2.5
     from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef,unused-ignore]
 
-from ._units import output_embedding, owning_units
+from ._units import units_for
 from .base import Adapter
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs")
@@ -69,13 +69,7 @@ class FSDP2Adapter(Adapter):
         ctx.iter_forward_root = None
 
     def nested_units(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
-        if gather:
-            return owning_units(wrapper, gather, _is_unit)
-        units = _auto_units.get(wrapper)
-        if units is None:
-            head = output_embedding(wrapper)
-            units = _auto_units[wrapper] = owning_units(wrapper, (head,), _is_unit) if head is not None else ()
-        return units
+        return units_for(wrapper, wrapper, gather, _is_unit, _auto_units)
 
     @contextlib.contextmanager
     def inside(self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]) -> Iterator[None]:
