@@ -147,7 +147,60 @@ def threads_keep_their_payloads() -> dict[str, Any]:
         t.start()
     for t in threads:
         t.join(60)
-    return {"got": got, "forward_left": "forward" in model.__dict__}
+    # DDP's forward marker may now be stale (overlapping forwards in two threads): the next route clears it.
+    with torch.no_grad():
+        route_loss(ddp, model, lambda: None)
+    return {"got": got, "forward_left": "forward" in model.__dict__, "marker_left": _marker_left()}
+
+
+def _marker_left() -> bool:
+    return DDP._active_ddp_module is not None
+
+
+class _Held(torch.nn.Module):
+    """Holds its forward open until told: lets a test overlap two DDP forwards in two threads exactly."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self.entered.set()
+        self.release.wait(30)
+        return _loss(self.inner, ids, labels)  # type: ignore[arg-type]
+
+
+def stale_ddp_marker() -> dict[str, Any]:
+    """DDP saves and restores its class-wide forward marker per call, so forwards overlapping in two threads
+    (A enters, B enters, A exits, B exits) leave it pointing at A after both ended. A stale marker must neither
+    make route_loss skip the forward (a silent desync: it would look like a call from inside A's forward) nor
+    stay set (Dynamo would apply DDP's graph optimizer to everything compiled later)."""
+    held = DDP(_Held(build_model(CONFIG, seed=1)))
+    ids, labels = _batch(dist.get_rank())
+    thread = threading.Thread(target=lambda: held(ids, labels).backward())
+    thread.start()
+    held.module.entered.wait(30)
+
+    class LetsAFinish(torch.nn.Linear):  # B: enters its forward while A is inside A's, returns after A ended
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            held.module.release.set()
+            thread.join(60)
+            return super().forward(x).sum()
+
+    DDP(LetsAFinish(1, 1))(torch.ones(1, 1)).backward()
+    stale = DDP._active_ddp_module is held
+    held.zero_grad()
+    model: TinyCausalLM = held.module.inner  # type: ignore[assignment]
+    entered = []
+
+    def fn() -> torch.Tensor:
+        entered.append("forward" in held.module.__dict__)  # our dispatch is installed only inside DDP's forward
+        return _loss(model, ids, labels)
+
+    route_loss(held, held.module, fn).backward()
+    differ, _ = _compare_across_ranks(_grads(model))
+    return {"stale_before": stale, "routed": entered == [True], "differ": differ, "marker_left": _marker_left()}
 
 
 def compiled_layers() -> dict[str, Any]:

@@ -554,6 +554,10 @@ def threads_cases() -> dict[str, Any]:
         out[f"two_grad_{wrapper}"] = _two_grad(wrapper)
     for group in groups:
         dist.destroy_process_group(group)
+    # Overlapping DDP forwards may leave DDP's class-wide marker stale; routing clears it (adapters/ddp.py).
+    with torch.no_grad():
+        route_loss(ddp, model, lambda: None)
+    out["marker_left"] = DDP._active_ddp_module is not None
     return out
 
 

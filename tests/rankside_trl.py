@@ -8,12 +8,11 @@ across ranks (one all-gather, ``_compare_across_ranks``); the ranks see differen
 
 from __future__ import annotations
 
-import contextlib
-import shutil
+import os
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -234,30 +233,25 @@ def _kto_rows(rows: int) -> list[dict[str, Any]]:
     ]
 
 
-@contextlib.contextmanager
-def _model_folder() -> Iterator[str]:
-    """One folder for every rank: transformers saves on global rank 0 only once a process group exists."""
-    holder: list[Any] = [tempfile.mkdtemp(prefix="wr-trl-") if _rank() == 0 else None]
-    dist.broadcast_object_list(holder, src=0)
-    folder: str = holder[0]
-    if _rank() == 0:
+def _fill_model_folder(folder: str) -> None:
+    """Rank 0 writes the tiny model into ``folder`` (transformers saves on global rank 0 only once a process
+    group exists); the others wait. The test owns and removes the folder: no collective after training."""
+    if _rank() == 0 and not os.listdir(folder):
         _save_tiny(folder)
     dist.barrier()
-    try:
-        yield folder
-    finally:
-        dist.barrier()  # every rank has loaded what it needs (DPO loads its reference model from here)
-        if _rank() == 0:
-            shutil.rmtree(folder, ignore_errors=True)
 
 
-def trl_step(trainer_name: str, variant: str) -> dict[str, Any]:
+def trl_step(trainer_name: str, variant: str, folder: str) -> dict[str, Any]:
     """One TRL training step with ``use_liger_kernel=True`` on this rank.
 
     ``variant``: ``"unpatched"`` (TRL as installed), ``"patched"`` (``patch_trl()``), or ``"naive"``
     (``patch_trl(mode="redirect")``: the loss routed through DDP's forward *with* its graph optimizer, i.e. the
     obvious one-line fix). The patch is undone afterwards and Dynamo's caches are dropped first, so every
     variant compiles the Liger loss in its own setting, whatever ran before in this worker.
+
+    Returns this rank's gradients (compared across ranks by the caller) or its error. Nothing collective runs
+    after training: a rank that failed must not leave the other waiting in a collective it never joins (the
+    other then fails on the group timeout inside TRL's own collectives, and both errors reach the caller).
     """
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -272,13 +266,18 @@ def trl_step(trainer_name: str, variant: str) -> dict[str, Any]:
         torch._C._autograd._saved_tensors_hooks_enable()
     start = time.perf_counter()
     result: dict[str, Any] = {"trainer": trainer_name, "variant": variant, "error": None, "differ": None}
+    # A DDP forward marker left set by an earlier task (overlapping DDP forwards in threads) would make Dynamo
+    # compile even the unpatched loss with DDP's graph optimizer: report it, and compile without it.
+    result["stale_ddp_marker"] = DDP._active_ddp_module is not None
+    DDP._active_ddp_module = None
     unpatch_trl()
     if variant != "unpatched":
         mode = {"naive": "redirect", "patched": "isolate"}.get(variant, variant)
         result["patch"] = list(patch_trl(mode=mode).patched)  # type: ignore[arg-type]
     probe = _GradProbe()
     try:
-        with _model_folder() as folder, tempfile.TemporaryDirectory() as out:
+        _fill_model_folder(folder)
+        with tempfile.TemporaryDirectory() as out:
             model = AutoModelForCausalLM.from_pretrained(folder)
             tokenizer = _tokenizer()
             common = {"use_liger_kernel": True, "liger_kernel_config": NO_TRITON, "remove_unused_columns": False}
@@ -305,15 +304,10 @@ def trl_step(trainer_name: str, variant: str) -> dict[str, Any]:
             trainer.train()
             result["wrapper"] = type(trainer.model_wrapped).__name__
     except Exception:
-        result["error"] = traceback.format_exc(limit=-6)
+        result["error"] = traceback.format_exc()
     finally:
         unpatch_trl()
-    # Compare only when every rank has the same gradients to compare: a rank that failed must not leave the
-    # other waiting in an all-gather of a different size.
-    shapes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(shapes, {n: tuple(g.shape) for n, g in probe.grads.items()})
-    if probe.grads and all(s == shapes[0] for s in shapes):
-        result.update(_measure(probe.grads))
+    result["grads"] = probe.grads
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
 

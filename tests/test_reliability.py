@@ -263,3 +263,7 @@ def test_threads_two_grad_forwards_one_model_is_a_clear_error(threads: list[dict
         assert facts["first_ok"] and facts["errors"] == ["RouteStateError"], facts
         assert "another thread" in facts["message"] and "Serialise" in facts["message"], facts
         assert facts["differ"] == 0 and facts["clean"], facts
+
+
+def test_threads_leave_no_stale_ddp_marker(threads: list[dict[str, Any]]) -> None:
+    assert not any(rank["marker_left"] for rank in threads)

@@ -62,6 +62,9 @@ def _start_check(*extra: str) -> tuple[subprocess.Popen[str], list[psutil.Proces
     cli = subprocess.Popen(
         [sys.executable, "-m", "wrapperroute", "check", "--wrappers", "ddp", "--losses", "fused_ce", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ,
+        # A shell starting pytest in the background ignores SIGINT, and children inherit that: restore the
+        # default, so the CLI installs Python's KeyboardInterrupt handler as it would in a terminal.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     parent = psutil.Process(cli.pid)
     deadline = time.monotonic() + 120
@@ -78,9 +81,11 @@ def _gone(workers: list[psutil.Process], seconds: float = 15) -> list[int]:
 
 
 def test_cli_ctrl_c_exits_and_leaves_no_worker() -> None:
-    cli, workers = _start_check("--steps", "50")
+    # Enough steps that the run is still going when the signal arrives (50 steps finish within a second).
+    cli, workers = _start_check("--steps", "100000")
     assert len(workers) >= 2, "the CLI should have spawned its rank workers"
     time.sleep(1.0)
+    assert cli.poll() is None, "the run ended before it could be interrupted"
     cli.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C delivers to the foreground process
     _, err = cli.communicate(timeout=60)
     try:

@@ -144,7 +144,14 @@ def test_pytree_outputs(pool: RankPool, find_unused: bool) -> None:
 def test_threads_keep_their_payloads(pool: RankPool) -> None:
     for rank in pool.run(rankside.threads_keep_their_payloads):
         assert rank["got"] == {"a": "a", "b": "b"}
-        assert not rank["forward_left"]
+        assert not rank["forward_left"] and not rank["marker_left"]
+
+
+def test_stale_ddp_forward_marker_neither_skips_routing_nor_stays(pool: RankPool) -> None:
+    for rank in pool.run(rankside.stale_ddp_marker):
+        assert rank["stale_before"], "the scenario must leave DDP's marker stale, or it proves nothing"
+        assert rank["routed"] and rank["differ"] == 0, rank
+        assert not rank["marker_left"]
 
 
 def test_through_compile_layers(pool: RankPool) -> None:

@@ -15,6 +15,9 @@ the reducer is armed exactly as before, and compiled code outside the loss keeps
 from __future__ import annotations
 
 import contextlib
+import logging
+import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +28,8 @@ from torch.nn.parallel.distributed import _find_tensors
 
 from ..errors import RouteValueError
 from .base import NOTHING, Adapter
+
+log = logging.getLogger("wrapperroute")
 
 
 class DDPAdapter(Adapter):
@@ -39,7 +44,16 @@ class DDPAdapter(Adapter):
         return inner
 
     def in_forward(self, wrapper: nn.Module) -> bool:
-        return getattr(DistributedDataParallel, "_active_ddp_module", None) is wrapper
+        active = getattr(DistributedDataParallel, "_active_ddp_module", None)
+        if active is None:  # the common case: no DDP forward running anywhere
+            return False
+        # The marker is one class attribute shared by every thread, and DDP's save/restore of it is not
+        # thread-safe: forwards that overlap in two threads can leave it set after both ended. Trusting a stale
+        # marker would call the loss plainly, outside the forward: a silent desync. This thread's stack decides.
+        if _forward_frame(sys._getframe(1), wrapper):
+            return True
+        _clear_if_stale(active)
+        return False
 
     def describe(self, wrapper: nn.Module) -> dict[str, Any]:
         ddp: DistributedDataParallel = wrapper  # type: ignore[assignment]
@@ -84,6 +98,36 @@ class DDPAdapter(Adapter):
 
     def process_group(self, wrapper: nn.Module) -> Any:
         return wrapper.process_group
+
+
+_RUN_FORWARD = DistributedDataParallel._run_ddp_forward.__code__
+_stale_warned = False
+
+
+def _forward_frame(frame: types.FrameType | None, wrapper: nn.Module | None) -> bool:
+    """Whether ``frame`` or a caller is ``wrapper``'s ``_run_ddp_forward`` (any DDP's, when None)."""
+    while frame is not None:
+        if frame.f_code is _RUN_FORWARD and (wrapper is None or frame.f_locals.get("self") is wrapper):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _clear_if_stale(active: nn.Module) -> None:
+    """Clear a marker no thread's DDP forward set: while it stays, Dynamo applies DDP's graph optimizer to
+    everything compiled anywhere in the process (a torch.func loss compiled later fails on it)."""
+    global _stale_warned
+    if any(_forward_frame(frame, None) for frame in sys._current_frames().values()):
+        return  # some thread is inside a DDP forward: the marker may be its own
+    if DistributedDataParallel._active_ddp_module is active:
+        DistributedDataParallel._active_ddp_module = None
+        if not _stale_warned:
+            _stale_warned = True
+            log.warning(
+                "wrapperroute: DistributedDataParallel._active_ddp_module was left set after every DDP forward "
+                "ended (DDP forwards that overlapped in two threads; DDP saves and restores it per thread); "
+                "cleared, so Dynamo stops applying DDP's graph optimizer outside DDP forwards."
+            )
 
 
 @contextlib.contextmanager
