@@ -15,6 +15,7 @@ import json
 import os
 import pathlib
 import platform
+import statistics
 import sys
 import time
 import timeit
@@ -68,11 +69,18 @@ def main() -> int:
             results["fsdp2_lm_head_group"] = pool.run(bench_ranks.fsdp2_alternatives, reps)[0]
             if importlib.util.find_spec("deepspeed") is not None:
                 results["zero3"] = pool.run(bench_ranks.zero3_alternatives, reps, timeout=900)[0]
-    memory: dict[str, Any] = {}
-    for path in ("native", "routed"):  # a fresh pool per path: peak RSS is a process-wide high-water mark
-        with RankPool(2) as pool:
-            memory[path] = max(r["peak_rss_mib"] for r in pool.run(bench_ranks.peak_rss, path, sizes[-1], 20))
+    # Peak RSS is a process-wide high-water mark: one fresh pool per measurement, paths alternating, and the
+    # difference of the per-path medians (allocator and import noise is a few MiB either way).
+    peaks: dict[str, list[float]] = {"native": [], "routed": []}
+    for index in range(2 if args.quick else 5):
+        for path in ("native", "routed") if index % 2 == 0 else ("routed", "native"):
+            with RankPool(2) as pool:
+                ranks = pool.run(bench_ranks.peak_rss, path, sizes[-1], 20)
+            peaks[path].append(max(r["peak_rss_mib"] for r in ranks))
+    memory: dict[str, Any] = {path: statistics.median(values) for path, values in peaks.items()}
+    memory["runs"] = peaks
     memory["routed_minus_native_mib"] = memory["routed"] - memory["native"]
+    memory["spread_mib"] = [min(peaks["routed"]) - max(peaks["native"]), max(peaks["routed"]) - min(peaks["native"])]
     results["peak_rss"] = memory
     results["seconds"] = round(time.perf_counter() - started, 1)
 
@@ -133,8 +141,10 @@ def format_table(r: dict[str, Any]) -> str:
         timed = ratio(z3) if "ratio" in z3 else "not timed: the gather fails"
         lines.append(f"{'ZeRO-3: routed / GatheredParameters(all) gather':<58} {timed:<26} {'-':<10} {found}")
     m = r["peak_rss"]
+    low, high = m["spread_mib"]
     lines.append(
-        f"{'peak RSS per rank, routed - native (MiB)':<58} {m['routed_minus_native_mib']:<26.2f} {'<= 1 MiB':<10} "
+        f"{'peak RSS per rank, routed - native (MiB), medians of ' + str(len(m['runs']['routed'])):<58} "
+        f"{m['routed_minus_native_mib']:.2f}  [{low:.2f} to {high:.2f}]{'':<7} {'<= 1 MiB':<10} "
         f"{m['routed']:.1f} vs {m['native']:.1f} MiB"
     )
     lines.append(f"\ntotal {r['seconds']} s")

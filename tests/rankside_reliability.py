@@ -516,24 +516,32 @@ def threads_cases() -> dict[str, Any]:
     out["two_models"] = {"errors": [repr(r) for r in results if r is not None and r != 0.0], "differ": differ,
                          "max_ref_diff": worst, "forward_left": any("forward" in m.__dict__ for m in models)}
 
-    # one model: train (grad) + evaluate (no_grad) concurrently
+    # one model: train (grad) + evaluate (no_grad) concurrently. The evaluation enters first and is still
+    # running its loss when the training step starts: the training call must still get DDP's real forward
+    # (the evaluation's "wrapper call inside the loss = plain call" applies to the evaluation's thread only).
     model, ref = build_model(CONFIG), build_model(CONFIG)
     ddp = DDP(model)
-    barrier = threading.Barrier(2, timeout=30)
+    eval_inside, train_inside = threading.Event(), threading.Event()
     train_batch, eval_batch = make_batch(case, CONFIG, rank, 0, 0), make_batch(case, CONFIG, rank, 5, 0)
 
-    def together(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        barrier.wait()
+    def evaluate(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        eval_inside.set()
+        train_inside.wait(30)
+        return case.compute(model, batch, {})  # type: ignore[arg-type]
+
+    def train_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        train_inside.set()
         return case.compute(model, batch, {})  # type: ignore[arg-type]
 
     def trainer() -> torch.Tensor:
-        loss = route_loss(ddp, model, together, train_batch)
+        eval_inside.wait(30)
+        loss = route_loss(ddp, model, train_loss, train_batch)
         loss.backward()
         return loss.detach()
 
     def evaluator() -> torch.Tensor:
         with torch.no_grad():
-            return route_loss(ddp, model, together, eval_batch)
+            return route_loss(ddp, model, evaluate, eval_batch)
 
     results = _threads(trainer, evaluator)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}

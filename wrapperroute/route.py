@@ -88,12 +88,9 @@ class _Call:
         routing.add(id(wrapper))
         # While the loss runs, a call of the wrapper itself (fn calling model(...)) is a plain call of the inner
         # module: the wrapper is already prepared, and its pre/post-forward again would re-arm DDP's reducer or
-        # reshard FSDP parameters mid-loss. (FSDP2's wrapper is the module itself: its adapter sets hooks aside.)
-        target = self.target
-        passthrough = target is not wrapper
-        if passthrough:
-            saved = wrapper.__dict__.get("forward", _MISSING)
-            wrapper.__dict__["forward"] = target
+        # reshard FSDP parameters mid-loss. Only in this thread: another thread's model(...) is a real forward.
+        # (FSDP2's wrapper is the module itself: its adapter sets hooks aside.)
+        passthrough = _passthrough_for(wrapper, self.target) if self.target is not wrapper else None
         try:
             with self.adapter.inside(wrapper, isolate=self.isolate, gather=self.gather):
                 if self.nested:  # a shard unit the loss reads from: enter its forward too
@@ -111,11 +108,8 @@ class _Call:
                 self.adapter.check_result(wrapper, result)
                 return result
         finally:
-            if passthrough:
-                if saved is _MISSING:
-                    del wrapper.__dict__["forward"]
-                else:
-                    wrapper.__dict__["forward"] = saved
+            if passthrough is not None:
+                passthrough.release(wrapper)
             routing.discard(id(wrapper))
 
     def __repr__(self) -> str:  # shows up in wrapper error messages; keep it short
@@ -138,6 +132,68 @@ class _Redirection:
         self.kept: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
         self.kept_source: weakref.ref[Any] | None = None  # the instance forward ``kept`` was read from
         self.dispatch = _make_dispatch(weakref.ref(target), self)
+
+
+class _Passthrough:
+    """The wrapper's swapped ``forward`` while losses run inside it: in a thread running a loss inside this
+    wrapper, a call of the wrapper is a plain call of the inner module; in any other thread it is the wrapper's
+    real forward (an instance attribute is seen by every thread). Refcounted over in-flight calls."""
+
+    __slots__ = ("count", "forward", "lock", "saved", "target_ref")
+
+    def __init__(self, wrapper: nn.Module, target: nn.Module) -> None:
+        self.lock = threading.Lock()
+        self.count = 0
+        self.saved: object = _MISSING
+        wrapper_ref = weakref.ref(wrapper)
+        self.target_ref = target_ref = weakref.ref(target)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            module = wrapper_ref()
+            inner = target_ref()
+            if module is None or inner is None:  # unreachable while the wrapper is being called
+                raise RouteStateError("the routed wrapper was garbage-collected during its own forward")
+            if id(module) in _thread.routing:
+                return inner(*args, **kwargs)
+            saved = self.saved
+            original = saved if saved is not _MISSING else type(module).forward.__get__(module)
+            return original(*args, **kwargs)  # type: ignore[operator]
+
+        self.forward = forward
+
+    def acquire(self, wrapper: nn.Module) -> _Passthrough:
+        with self.lock:
+            if self.count == 0:
+                self.saved = wrapper.__dict__.get("forward", _MISSING)
+                wrapper.__dict__["forward"] = self.forward
+            self.count += 1
+        return self
+
+    def release(self, wrapper: nn.Module) -> None:
+        with self.lock:
+            self.count -= 1
+            if self.count == 0:
+                if self.saved is _MISSING:
+                    wrapper.__dict__.pop("forward", None)
+                else:
+                    wrapper.__dict__["forward"] = self.saved
+                self.saved = _MISSING
+
+
+_passthroughs: dict[int, _Passthrough] = {}
+_passthroughs_lock = threading.Lock()
+
+
+def _passthrough_for(wrapper: nn.Module, target: nn.Module) -> _Passthrough:
+    state = _passthroughs.get(id(wrapper))
+    if state is None or state.target_ref() is not target:
+        with _passthroughs_lock:
+            state = _passthroughs.get(id(wrapper))
+            if state is None or (state.target_ref() is not target and not state.count):
+                if state is None:
+                    weakref.finalize(wrapper, _passthroughs.pop, id(wrapper), None)
+                state = _passthroughs[id(wrapper)] = _Passthrough(wrapper, target)
+    return state.acquire(wrapper)
 
 
 _redirections: dict[int, _Redirection] = {}
