@@ -232,3 +232,26 @@ def saved_tensor_hooks_after(mode: str) -> dict[str, Any]:
         "fell_back": result["fell_back"],
         "hooks": bool(torch._C._autograd._saved_tensors_hooks_is_enabled()),
     }
+
+
+class _ReplacesInputs(DDP):
+    """A wrapper that does not pass its inputs through unchanged (e.g. copies them)."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return super().forward(*[object() for _ in inputs], **kwargs)
+
+
+def token_replaced_by_wrapper() -> dict[str, Any]:
+    """A wrapper that replaces our call token: the loss never ran inside its forward, and route_loss says so
+    (instead of returning whatever the wrapper returned); the forward is restored."""
+    from wrapperroute import RouteStateError
+
+    model = build_model(CONFIG)
+    ddp = _ReplacesInputs(model)
+    ids, labels = _batch(dist.get_rank())
+    try:
+        route_loss(ddp, model, _loss, model, ids, labels)
+        message = ""
+    except RouteStateError as error:
+        message = str(error)
+    return {"message": message, "forward_left": "forward" in model.__dict__ or "forward" in ddp.__dict__}

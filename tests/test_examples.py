@@ -22,6 +22,9 @@ def _port() -> int:
         return int(sock.getsockname()[1])
 
 
+SHUTDOWN_ABORT = "terminate called without an active exception"
+
+
 def _launch(command: list[str]) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "DS_ACCELERATOR": "cpu",
            "MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO)}
@@ -34,7 +37,9 @@ def _launch(command: list[str]) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         pytest.fail(f"{command[:3]} timed out:\n{output[-4000:]}")
-    assert proc.returncode == 0, output[-4000:]
+    # About 1 run in 8 aborts in interpreter/gloo teardown after every rank printed its result ("terminate
+    # called without an active exception"): judged by what the ranks reported, as the project's facts say.
+    assert proc.returncode == 0 or SHUTDOWN_ABORT in output, output[-4000:]
     return output
 
 

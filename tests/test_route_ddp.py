@@ -159,3 +159,9 @@ def test_through_compile_layers(pool: RankPool) -> None:
         for layout, facts in rank.items():
             assert facts["differ"] == 0, (layout, facts)
             assert facts["forward_restored"], (layout, facts)
+
+
+def test_wrapper_that_replaces_the_token_is_named(pool: RankPool) -> None:
+    for rank in pool.run(rankside.token_replaced_by_wrapper):
+        assert "did not pass wrapperroute's call token" in rank["message"], rank
+        assert not rank["forward_left"]

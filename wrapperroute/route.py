@@ -45,7 +45,6 @@ _LAZY_RESULTS = frozenset({types.CoroutineType, types.GeneratorType, types.Async
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.routing: set[int] = set()  # ids of wrappers whose forward is running a loss in this thread
-        self.pending: dict[int, _Call] = {}  # id(target) -> call handed to the wrapper, not yet dispatched
 
 
 _thread = _ThreadState()
@@ -58,7 +57,7 @@ _isolated_losses: set[object] = set()
 class _Call:
     """The token handed to the wrapper: the loss and everything needed to run it inside the forward."""
 
-    __slots__ = ("adapter", "args", "fn", "gather", "isolate", "kwargs", "nested", "target", "wrapper")
+    __slots__ = ("adapter", "args", "fn", "gather", "isolate", "kwargs", "nested", "ran", "state", "target", "wrapper")
 
     def __init__(
         self,
@@ -81,8 +80,11 @@ class _Call:
         self.isolate = isolate
         self.gather = gather
         self.nested = nested
+        self.ran = False  # set when the wrapper's forward reached the loss: else the wrapper changed the token
+        self.state: _Redirection | None = None
 
     def run(self) -> Any:
+        self.ran = True
         wrapper = self.wrapper
         routing = _thread.routing
         routing.add(id(wrapper))
@@ -90,7 +92,9 @@ class _Call:
         # module: the wrapper is already prepared, and its pre/post-forward again would re-arm DDP's reducer or
         # reshard FSDP parameters mid-loss. Only in this thread: another thread's model(...) is a real forward.
         # (FSDP2's wrapper is the module itself: its adapter sets hooks aside.)
-        passthrough = _passthrough_for(wrapper, self.target) if self.target is not wrapper else None
+        state = self.state if self.target is not wrapper else None
+        if state is not None:
+            state.enter_passthrough(wrapper)
         try:
             with self.adapter.inside(wrapper, isolate=self.isolate, gather=self.gather):
                 if self.nested:  # a shard unit the loss reads from: enter its forward too
@@ -108,8 +112,8 @@ class _Call:
                 self.adapter.check_result(wrapper, result)
                 return result
         finally:
-            if passthrough is not None:
-                passthrough.release(wrapper)
+            if state is not None:
+                state.leave_passthrough(wrapper)
             routing.discard(id(wrapper))
 
     def __repr__(self) -> str:  # shows up in wrapper error messages; keep it short
@@ -122,7 +126,10 @@ class _Redirection:
     Built once per target and kept while the target lives; it holds the target only weakly.
     """
 
-    __slots__ = ("count", "dispatch", "grad_calls", "kept", "kept_source", "lock", "saved")
+    __slots__ = (
+        "count", "dispatch", "grad_calls", "kept", "kept_source", "lock", "passing", "passthrough", "saved",
+        "saved_wrapper", "wrapper",
+    )  # fmt: skip
 
     def __init__(self, target: nn.Module) -> None:
         self.lock = threading.Lock()
@@ -131,69 +138,33 @@ class _Redirection:
         self.saved: object = _MISSING  # the instance forward we replaced, while swapped
         self.kept: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
         self.kept_source: weakref.ref[Any] | None = None  # the instance forward ``kept`` was read from
-        self.dispatch = _make_dispatch(weakref.ref(target), self)
+        target_ref = weakref.ref(target)
+        self.dispatch = _make_dispatch(target_ref, self)
+        self.passthrough = _make_passthrough(target_ref, self)
+        self.passing = 0  # losses running inside the wrapper's forward (the passthrough is installed)
+        self.saved_wrapper: object = _MISSING  # the wrapper's instance forward, while the passthrough is in
+        self.wrapper: nn.Module | None = None  # the wrapper, while the passthrough is in (held only then)
 
+    def enter_passthrough(self, wrapper: nn.Module) -> None:
+        self.lock.acquire()
+        if not self.passing:
+            self.wrapper = wrapper
+            self.saved_wrapper = wrapper.__dict__.get("forward", _MISSING)
+            wrapper.__dict__["forward"] = self.passthrough
+        self.passing += 1
+        self.lock.release()
 
-class _Passthrough:
-    """The wrapper's swapped ``forward`` while losses run inside it: in a thread running a loss inside this
-    wrapper, a call of the wrapper is a plain call of the inner module; in any other thread it is the wrapper's
-    real forward (an instance attribute is seen by every thread). Refcounted over in-flight calls."""
-
-    __slots__ = ("count", "forward", "lock", "saved", "target_ref")
-
-    def __init__(self, wrapper: nn.Module, target: nn.Module) -> None:
-        self.lock = threading.Lock()
-        self.count = 0
-        self.saved: object = _MISSING
-        wrapper_ref = weakref.ref(wrapper)
-        self.target_ref = target_ref = weakref.ref(target)
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            module = wrapper_ref()
-            inner = target_ref()
-            if module is None or inner is None:  # unreachable while the wrapper is being called
-                raise RouteStateError("the routed wrapper was garbage-collected during its own forward")
-            if id(module) in _thread.routing:
-                return inner(*args, **kwargs)
-            saved = self.saved
-            original = saved if saved is not _MISSING else type(module).forward.__get__(module)
-            return original(*args, **kwargs)  # type: ignore[operator]
-
-        self.forward = forward
-
-    def acquire(self, wrapper: nn.Module) -> _Passthrough:
-        with self.lock:
-            if self.count == 0:
-                self.saved = wrapper.__dict__.get("forward", _MISSING)
-                wrapper.__dict__["forward"] = self.forward
-            self.count += 1
-        return self
-
-    def release(self, wrapper: nn.Module) -> None:
-        with self.lock:
-            self.count -= 1
-            if self.count == 0:
-                if self.saved is _MISSING:
-                    wrapper.__dict__.pop("forward", None)
-                else:
-                    wrapper.__dict__["forward"] = self.saved
-                self.saved = _MISSING
-
-
-_passthroughs: dict[int, _Passthrough] = {}
-_passthroughs_lock = threading.Lock()
-
-
-def _passthrough_for(wrapper: nn.Module, target: nn.Module) -> _Passthrough:
-    state = _passthroughs.get(id(wrapper))
-    if state is None or state.target_ref() is not target:
-        with _passthroughs_lock:
-            state = _passthroughs.get(id(wrapper))
-            if state is None or (state.target_ref() is not target and not state.count):
-                if state is None:
-                    weakref.finalize(wrapper, _passthroughs.pop, id(wrapper), None)
-                state = _passthroughs[id(wrapper)] = _Passthrough(wrapper, target)
-    return state.acquire(wrapper)
+    def leave_passthrough(self, wrapper: nn.Module) -> None:
+        self.lock.acquire()
+        self.passing -= 1
+        if not self.passing:
+            if self.saved_wrapper is _MISSING:
+                wrapper.__dict__.pop("forward", None)
+            else:
+                wrapper.__dict__["forward"] = self.saved_wrapper
+            self.saved_wrapper = _MISSING
+            self.wrapper = None
+        self.lock.release()
 
 
 _redirections: dict[int, _Redirection] = {}
@@ -217,21 +188,32 @@ def _make_dispatch(target_ref: weakref.ref[nn.Module], state: _Redirection) -> C
         if target is None:  # unreachable while the module is being called; keeps the types honest
             raise RouteStateError("the routed module was garbage-collected during its own forward")
         if len(args) == 1 and not kwargs and type(args[0]) is _Call:
-            _thread.pending.pop(id(target), None)
             kept = state.kept
             if kept is None:
                 return args[0].run()
             with kept():
                 return args[0].run()
-        if id(target) in _thread.pending:
-            raise RouteStateError(
-                f"the wrapper did not pass wrapperroute's call token to {type(target).__name__}.forward "
-                "unchanged, so the loss cannot run inside its forward. Report this wrapper; meanwhile compute "
-                "the loss through model(...) directly."
-            )
-        # Another thread calling the model normally while a loss is routed: behave as the real forward.
+        # Another thread calling the model normally while a loss is routed: behave as the real forward. (A
+        # wrapper that changed our token lands here too; _call_through then says so.)
         saved = state.saved
         original = saved if saved is not _MISSING else type(target).forward.__get__(target)
+        return original(*args, **kwargs)  # type: ignore[operator]
+
+    return forward
+
+
+def _make_passthrough(target_ref: weakref.ref[nn.Module], state: _Redirection) -> Callable[..., Any]:
+    """The wrapper's ``forward`` while losses run inside it: in the thread running one, calling the wrapper is
+    a plain call of the inner module; in any other thread, the wrapper's real forward."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        target, wrapper = target_ref(), state.wrapper
+        if target is None or wrapper is None:  # unreachable while a loss runs inside the wrapper
+            raise RouteStateError("the routed wrapper was called after its loss ended, through a stale forward")
+        if id(wrapper) in _thread.routing:
+            return target(*args, **kwargs)
+        saved = state.saved_wrapper
+        original = saved if saved is not _MISSING else type(wrapper).forward.__get__(wrapper)
         return original(*args, **kwargs)  # type: ignore[operator]
 
     return forward
@@ -318,7 +300,7 @@ class _Plan:
     inside it. Kept while the model lives (held weakly) and while its class stays the same (fully_shard
     changes a module's class)."""
 
-    __slots__ = ("checked", "found", "model_ref", "model_type", "target")
+    __slots__ = ("checked", "found", "model_ref", "model_type", "replicated", "target")
 
     def __init__(self, model: nn.Module) -> None:
         self.found = detect(model)  # first: it names a non-module argument clearly
@@ -327,6 +309,9 @@ class _Plan:
         # nn.Module attribute lookups of submodules (``ddp.module``) cost a microsecond: once per model.
         wrapper, adapter = self.found.wrapper, self.found.adapter
         self.target = None if wrapper is None or adapter is None else adapter.redirect_target(wrapper)
+        # Neither gather= checks nor shard units to pick (DDP): skip those two calls on every step.
+        kind = type(adapter) if adapter is not None else Adapter
+        self.replicated = kind.validate_gather is Adapter.validate_gather and kind.nested_units is Adapter.nested_units
         self.checked: dict[int, weakref.ref[nn.Module]] = {}
 
     def check_inside(self, module: nn.Module, role: str) -> None:
@@ -413,7 +398,7 @@ def route_loss(
     found = plan.found
     if unwrapped is not None and unwrapped is not found.inner:
         plan.check_inside(unwrapped, "unwrapped")
-    modules = _as_gather(gather)
+    modules = () if gather is None else _as_gather(gather)
     for module in modules:
         plan.check_inside(module, "a gather= entry")
     wrapper, adapter = found.wrapper, found.adapter
@@ -435,12 +420,14 @@ def route_loss(
             "or destroyed): its forward cannot synchronise anything. Call torch.distributed.init_process_group "
             "before routing (and keep it until the last step), or route the unwrapped model without a wrapper."
         )
-    adapter.validate_gather(wrapper, modules)
-    nested = adapter.nested_units(wrapper, modules)
+    nested: tuple[nn.Module, ...] = ()
+    if modules or not plan.replicated:
+        adapter.validate_gather(wrapper, modules)
+        nested = adapter.nested_units(wrapper, modules)
     if not agree:
-        return _route(wrapper, adapter, fn, args, kwargs, mode, modules, nested)
+        return _route(wrapper, adapter, fn, args, kwargs, mode, modules, nested, plan.target)
     try:
-        result = _route(wrapper, adapter, fn, args, kwargs, mode, modules, nested)
+        result = _route(wrapper, adapter, fn, args, kwargs, mode, modules, nested, plan.target)
     except BaseException as error:
         _agree(adapter, wrapper, error)
         raise
@@ -457,12 +444,12 @@ def _route(
     mode: Mode,
     modules: tuple[nn.Module, ...],
     nested: tuple[nn.Module, ...],
+    target: nn.Module | None,
 ) -> T:
-    key = _fallback_key(fn)
-    isolate = mode == "isolate" or (mode == "auto" and key in _isolated_losses)
+    isolate = mode == "isolate" or (mode == "auto" and bool(_isolated_losses) and _fallback_key(fn) in _isolated_losses)
     hooks_enabled = _saved_tensor_hooks_enabled()
     try:
-        return _call_through(wrapper, adapter, fn, args, kwargs, isolate, modules, nested)
+        return _call_through(wrapper, adapter, fn, args, kwargs, isolate, modules, nested, target)
     except _RefusedError:
         raise  # nothing was entered; the wrapper belongs to the thread inside it: leave it alone
     except BaseException as error:  # KeyboardInterrupt too: a notebook user may go on training
@@ -473,14 +460,14 @@ def _route(
             torch._C._autograd._saved_tensors_hooks_enable()
         if not isinstance(error, Exception) or mode != "auto" or isolate or not _is_graph_optimizer_failure(error):
             raise
-    _isolated_losses.add(key)
+    _isolated_losses.add(_fallback_key(fn))
     log.warning(
         "wrapperroute: %s failed under DDP's graph optimizer (a torch.func loss split across buckets); "
         "running it isolated from that optimizer from now on. Pass mode='isolate' to skip the first attempt.",
         getattr(fn, "__qualname__", type(fn).__name__),
     )
     try:
-        return _call_through(wrapper, adapter, fn, args, kwargs, True, modules, nested)
+        return _call_through(wrapper, adapter, fn, args, kwargs, True, modules, nested, target)
     except BaseException:
         _recover(adapter, wrapper)
         raise
@@ -546,7 +533,7 @@ def _call_through(
     if target is None:
         target = adapter.redirect_target(wrapper)
     call = _Call(wrapper, adapter, fn, args, kwargs, isolate, gather, nested, target)
-    state = _redirection_for(target)
+    call.state = state = _redirection_for(target)
     grad = torch.is_grad_enabled()
     with state.lock:
         if state.count:  # another thread is inside this wrapper's forward (one thread never gets here twice)
@@ -558,7 +545,7 @@ def _call_through(
                     "evaluation calls under torch.no_grad() (DDP), or use separate models on separate process "
                     "groups."
                 )
-        if state.count == 0:
+        else:
             saved = target.__dict__.get("forward", _MISSING)
             state.saved = saved
             if saved is _MISSING:
@@ -572,19 +559,31 @@ def _call_through(
             target.__dict__["forward"] = state.dispatch
         state.count += 1
         state.grad_calls += grad
-    pending = _thread.pending
-    pending[id(target)] = call
     try:
         result: T = wrapper(call)
-        return result
+    except BaseException as error:
+        if not call.ran:
+            raise _token_lost(target) from error
+        raise
     finally:
-        pending.pop(id(target), None)
-        with state.lock:
-            state.count -= 1
-            state.grad_calls -= grad
-            if state.count == 0:
-                if state.saved is _MISSING:
-                    target.__dict__.pop("forward", None)
-                else:
-                    target.__dict__["forward"] = state.saved
-                state.saved = _MISSING
+        state.lock.acquire()
+        state.count -= 1
+        state.grad_calls -= grad
+        if state.count == 0:
+            if state.saved is _MISSING:
+                target.__dict__.pop("forward", None)
+            else:
+                target.__dict__["forward"] = state.saved
+            state.saved = _MISSING
+        state.lock.release()
+    if not call.ran:
+        raise _token_lost(target)
+    return result
+
+
+def _token_lost(target: nn.Module) -> RouteStateError:
+    return RouteStateError(
+        f"the wrapper did not pass wrapperroute's call token to {type(target).__name__}.forward unchanged, so the "
+        "loss did not run inside its forward. Report this wrapper; meanwhile compute the loss through model(...) "
+        "directly."
+    )
