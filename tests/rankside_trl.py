@@ -3,7 +3,9 @@ them by reference. Everything is built locally (a tiny Llama from a config, a Wo
 downloaded.
 
 Gradient truth is the seed's measurement: after one training step, every parameter's gradient is compared
-across ranks (one all-gather, ``_compare_across_ranks``); the ranks see different data.
+across ranks (one all-gather, ``_compare_across_ranks``; for real TRL trainers the ranks return their
+gradients and the test compares them, so nothing collective runs after training); the ranks see different
+data.
 """
 
 from __future__ import annotations
