@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import gc
 import resource
 import time
 from collections.abc import Callable
@@ -95,8 +97,22 @@ def ddp_step_ratio(size: str, reps: int) -> dict[str, Any]:
         opt_routed.step()
         opt_routed.zero_grad(set_to_none=True)
 
-    params = sum(p.numel() for p in lm_routed.parameters())
-    return {"params": params, **_paired(routed_step, native_step, reps)}
+    # A tiny step (~4 ms) is at the noise floor of two shared cores: time 20 of them per repetition.
+    per_rep = 20 if params_of(lm_routed) < 1_000_000 else 1
+
+    def many(step: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(per_rep):
+                step()
+
+        return run
+
+    timed = _paired(many(routed_step), many(native_step), reps)
+    return {"params": params_of(lm_routed), "steps_per_rep": per_rep, **timed}
+
+
+def params_of(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def fallback_ratio(reps: int) -> dict[str, Any]:
@@ -170,6 +186,62 @@ def call_overhead(reps: int) -> dict[str, Any]:
                 row["ours_us"] = min(_sync_time(ours) for _ in range(reps)) * 1e6 / CALLS
         out[label] = row
     return out
+
+
+def _malloc_in_use() -> int | None:
+    """Bytes glibc's malloc has handed out right now (torch's CPU tensors come from it); None off glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        info = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+        )]  # fmt: skip
+
+    info.restype = MallInfo2
+    current = info()
+    return int(current.uordblks + current.hblkhd)
+
+
+def allocated_in_step(size: str, reps: int) -> dict[str, Any]:
+    """Bytes allocated and still held after the forward (activations, the loss) and after the backward
+    (plus gradients), routed vs native, same model size, same process, alternating: unlike peak RSS, exact to
+    the byte. Routing that copied its payload would show up here."""
+    if _malloc_in_use() is None:
+        return {"error": "mallinfo2 is glibc-only"}
+    config = SIZES[size]
+    ids = torch.randint(0, config.vocab, (4, config.seq))
+    labels = torch.roll(ids, -1, 1)
+    lm_native, lm_routed = build_model(config), build_model(config)
+    native, routed = DDP(NativeLoss(lm_native)), DDP(lm_routed)
+    paths: dict[str, tuple[nn.Module, Callable[[], torch.Tensor]]] = {
+        "native": (native, lambda: native(ids, labels)),
+        "routed": (routed, lambda: route_loss(routed, lm_routed, fused_ce, lm_routed, ids, labels)),
+    }
+    held: dict[str, dict[str, list[int]]] = {name: {"forward": [], "backward": []} for name in paths}
+    for rep in range(reps + 2):  # two warm-up steps per path: lazy buffers, DDP's bucket rebuild
+        for name in paths if rep % 2 == 0 else reversed(paths):
+            model, forward = paths[name]
+            gc.collect()
+            base = _malloc_in_use() or 0
+            loss = forward()
+            after_forward = (_malloc_in_use() or 0) - base
+            loss.backward()
+            del loss
+            after_backward = (_malloc_in_use() or 0) - base
+            model.zero_grad(set_to_none=True)
+            if rep >= 2:
+                held[name]["forward"].append(after_forward)
+                held[name]["backward"].append(after_backward)
+    median = {name: {k: sorted(v)[len(v) // 2] for k, v in phases.items()} for name, phases in held.items()}
+    return {
+        "forward_native_mib": median["native"]["forward"] / 2**20,
+        "forward_routed_minus_native_kib": (median["routed"]["forward"] - median["native"]["forward"]) / 2**10,
+        "backward_routed_minus_native_kib": (median["routed"]["backward"] - median["native"]["backward"]) / 2**10,
+    }
 
 
 def peak_rss(path: str, size: str, steps: int) -> dict[str, Any]:

@@ -66,6 +66,7 @@ def main() -> int:
     with RankPool(2) as pool:
         results["ddp_step"] = {size: pool.run(bench_ranks.ddp_step_ratio, size, reps)[0] for size in sizes}
         results["ddp_call_overhead"] = pool.run(bench_ranks.call_overhead, max(3, reps // 3))[0]
+        results["allocated"] = pool.run(bench_ranks.allocated_in_step, sizes[-1], max(5, reps // 3))[0]
         if has_liger:
             results["fallback"] = pool.run(bench_ranks.fallback_ratio, max(5, reps // 2), timeout=900)[0]
         if not args.quick:
@@ -144,6 +145,13 @@ def format_table(r: dict[str, Any]) -> str:
         timed = ratio(z3) if "ratio" in z3 else "not timed: the gather fails"
         lines.append(f"{'ZeRO-3: routed / GatheredParameters(all) gather':<58} {timed:<26} {'-':<10} {found}")
     m = r["peak_rss"]
+    a = r["allocated"]
+    if "error" not in a:
+        lines.append(
+            f"{'malloc bytes held after forward, routed - native (KiB)':<58} "
+            f"{a['forward_routed_minus_native_kib']:<26.1f} {'<= 1024':<10} "
+            f"of {a['forward_native_mib']:.1f} MiB; after backward {a['backward_routed_minus_native_kib']:.1f} KiB"
+        )
     low, high = m["spread_mib"]
     lines.append(
         f"{'peak RSS per rank, routed - native (MiB), medians of ' + str(len(m['runs']['routed'])):<58} "

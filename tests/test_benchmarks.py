@@ -19,4 +19,7 @@ def test_quick_benchmark_runs(tmp_path: pathlib.Path) -> None:
     results = json.loads((tmp_path / "quick.json").read_text())
     assert results["ddp_step"]["tiny"]["ratio"] > 0 and results["ddp_step"]["tiny"]["reps"] == 5
     assert results["overhead_no_wrapper"]["overhead_us"] > 0
+    allocated = results["allocated"]
+    assert "error" in allocated or allocated["forward_native_mib"] > 0  # the harness counted something
+    assert len(results["peak_rss"]["runs"]["routed"]) == 2
     assert "routed / native DDP step" in done.stdout
