@@ -115,6 +115,31 @@ def params_of(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def guard_overhead(size: str, reps: int) -> dict[str, Any]:
+    """A routed DDP step inside ``wrapperroute.guard(model)`` / the same step unguarded (two models, timed side by
+    side; the guard is entered once around training, as a user would)."""
+    from wrapperroute import guard
+
+    config = SIZES[size]
+    ids = torch.randint(0, config.vocab, (4, config.seq), generator=torch.Generator().manual_seed(dist.get_rank()))
+    labels = torch.roll(ids, -1, 1)
+    models = [build_model(config), build_model(config)]
+    ddps = [DDP(m) for m in models]
+    per_rep = 20 if params_of(models[0]) < 1_000_000 else 1
+
+    def steps(i: int) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(per_rep):
+                route_loss(ddps[i], models[i], fused_ce, models[i], ids, labels).backward()
+                ddps[i].zero_grad(set_to_none=True)
+
+        return run
+
+    with guard(ddps[0]):
+        timed = _paired(steps(0), steps(1), reps)
+    return {"params": params_of(models[0]), "steps_per_rep": per_rep, **timed}
+
+
 def fallback_ratio(reps: int) -> dict[str, Any]:
     """Liger DPO routed isolated (the fallback) / routed plainly (no fallback needed once compiled), and the
     fallback / the crash-free alternative a user could pick instead (``compiled=False``)."""

@@ -66,6 +66,7 @@ def main() -> int:
     with RankPool(2) as pool:
         results["ddp_step"] = {size: pool.run(bench_ranks.ddp_step_ratio, size, reps)[0] for size in sizes}
         results["ddp_call_overhead"] = pool.run(bench_ranks.call_overhead, max(3, reps // 3))[0]
+        results["guard"] = {size: pool.run(bench_ranks.guard_overhead, size, reps)[0] for size in sizes}
         results["allocated"] = pool.run(bench_ranks.allocated_in_step, sizes[-1], max(5, reps // 3))[0]
         if has_liger:
             results["fallback"] = pool.run(bench_ranks.fallback_ratio, max(5, reps // 2), timeout=900)[0]
@@ -107,6 +108,11 @@ def format_table(r: dict[str, Any]) -> str:
         label = f"routed / native DDP step, {size} ({row['params']:,} params)"
         lines.append(
             f"{label:<58} {ratio(row):<26} {'<= 1.01':<10} {row['median_a_ms']:.2f} vs {row['median_b_ms']:.2f} ms"
+        )
+    for size, row in r.get("guard", {}).items():
+        label = f"guarded / unguarded routed DDP step, {size}"
+        lines.append(
+            f"{label:<58} {ratio(row):<26} {'-':<10} {row['median_a_ms']:.2f} vs {row['median_b_ms']:.2f} ms"
         )
     if "fallback" in r:
         fb = r["fallback"]

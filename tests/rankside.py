@@ -235,23 +235,33 @@ def saved_tensor_hooks_after(mode: str) -> dict[str, Any]:
 
 
 class _ReplacesInputs(DDP):
-    """A wrapper that does not pass its inputs through unchanged (e.g. copies them)."""
+    """A wrapper that does not pass its inputs through unchanged: it copies them, or swallows them."""
+
+    swallow = False
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.swallow:  # returns without calling the inner module at all
+            return torch.zeros(())
         return super().forward(*[object() for _ in inputs], **kwargs)
 
 
 def token_replaced_by_wrapper() -> dict[str, Any]:
-    """A wrapper that replaces our call token: the loss never ran inside its forward, and route_loss says so
-    (instead of returning whatever the wrapper returned); the forward is restored."""
-    from wrapperroute import RouteStateError
+    """A wrapper that replaces our call token: the loss never ran inside its forward. If the wrapper then
+    fails, its error says the loss did not run; if it returns, route_loss raises instead of returning whatever
+    the wrapper made. The forward is restored either way."""
 
     model = build_model(CONFIG)
     ddp = _ReplacesInputs(model)
     ids, labels = _batch(dist.get_rank())
-    try:
-        route_loss(ddp, model, _loss, model, ids, labels)
-        message = ""
-    except RouteStateError as error:
-        message = str(error)
-    return {"message": message, "forward_left": "forward" in model.__dict__ or "forward" in ddp.__dict__}
+    out: dict[str, Any] = {}
+    for swallow in (False, True):
+        ddp.swallow = swallow
+        try:
+            with torch.no_grad():
+                route_loss(ddp, model, _loss, model, ids, labels)
+            out[f"swallow={swallow}"] = ("returned", "")
+        except Exception as error:
+            note = " ".join(getattr(error, "__notes__", []))
+            out[f"swallow={swallow}"] = (type(error).__name__, f"{error} {note}")
+    out["forward_left"] = "forward" in model.__dict__ or "forward" in ddp.__dict__
+    return out

@@ -163,5 +163,8 @@ def test_through_compile_layers(pool: RankPool) -> None:
 
 def test_wrapper_that_replaces_the_token_is_named(pool: RankPool) -> None:
     for rank in pool.run(rankside.token_replaced_by_wrapper):
-        assert "did not pass wrapperroute's call token" in rank["message"], rank
+        failed, message = rank["swallow=False"]
+        assert failed != "returned" and "before the loss ran" in message, rank  # the wrapper's error, annotated
+        kind, message = rank["swallow=True"]
+        assert kind == "RouteStateError" and "without running the loss" in message, rank
         assert not rank["forward_left"]

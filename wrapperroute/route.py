@@ -562,8 +562,11 @@ def _call_through(
     try:
         result: T = wrapper(call)
     except BaseException as error:
-        if not call.ran:
-            raise _token_lost(target) from error
+        if not call.ran and hasattr(error, "add_note"):  # the wrapper's own error (or a mangled token): say so
+            error.add_note(
+                f"wrapperroute: raised by the {adapter.kind} wrapper before the loss ran (in its pre-forward, or "
+                f"because it did not pass wrapperroute's call token to {type(target).__name__}.forward unchanged)"
+            )
         raise
     finally:
         state.lock.acquire()
@@ -583,7 +586,7 @@ def _call_through(
 
 def _token_lost(target: nn.Module) -> RouteStateError:
     return RouteStateError(
-        f"the wrapper did not pass wrapperroute's call token to {type(target).__name__}.forward unchanged, so the "
-        "loss did not run inside its forward. Report this wrapper; meanwhile compute the loss through model(...) "
-        "directly."
+        f"the wrapper returned without running the loss: it did not pass wrapperroute's call token to "
+        f"{type(target).__name__}.forward unchanged. Report this wrapper; meanwhile compute the loss through "
+        "model(...) directly."
     )
