@@ -75,6 +75,25 @@ def _paired(a: Callable[[], Any], b: Callable[[], Any], reps: int, warmup: int =
     }
 
 
+def _repeated(call: Callable[[], Any], times: int) -> Callable[[], None]:
+    """``call`` run ``times`` times: one timed unit."""
+
+    def run() -> None:
+        for _ in range(times):
+            call()
+
+    return run
+
+
+def params_of(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _steps_per_rep(model: nn.Module) -> int:
+    # A tiny step (~4 ms) is at the noise floor of two shared cores: time 20 of them per repetition.
+    return 20 if params_of(model) < 1_000_000 else 1
+
+
 def ddp_step_ratio(size: str, reps: int) -> dict[str, Any]:
     """Routed DDP step / native DDP step (loss inside the model's forward), forward+backward+SGD."""
     config = SIZES[size]
@@ -97,22 +116,9 @@ def ddp_step_ratio(size: str, reps: int) -> dict[str, Any]:
         opt_routed.step()
         opt_routed.zero_grad(set_to_none=True)
 
-    # A tiny step (~4 ms) is at the noise floor of two shared cores: time 20 of them per repetition.
-    per_rep = 20 if params_of(lm_routed) < 1_000_000 else 1
-
-    def many(step: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            for _ in range(per_rep):
-                step()
-
-        return run
-
-    timed = _paired(many(routed_step), many(native_step), reps)
+    per_rep = _steps_per_rep(lm_routed)
+    timed = _paired(_repeated(routed_step, per_rep), _repeated(native_step, per_rep), reps)
     return {"params": params_of(lm_routed), "steps_per_rep": per_rep, **timed}
-
-
-def params_of(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def guard_overhead(size: str, reps: int) -> dict[str, Any]:
@@ -125,18 +131,17 @@ def guard_overhead(size: str, reps: int) -> dict[str, Any]:
     labels = torch.roll(ids, -1, 1)
     models = [build_model(config), build_model(config)]
     ddps = [DDP(m) for m in models]
-    per_rep = 20 if params_of(models[0]) < 1_000_000 else 1
+    per_rep = _steps_per_rep(models[0])
 
-    def steps(i: int) -> Callable[[], None]:
+    def step(i: int) -> Callable[[], None]:
         def run() -> None:
-            for _ in range(per_rep):
-                route_loss(ddps[i], models[i], fused_ce, models[i], ids, labels).backward()
-                ddps[i].zero_grad(set_to_none=True)
+            route_loss(ddps[i], models[i], fused_ce, models[i], ids, labels).backward()
+            ddps[i].zero_grad(set_to_none=True)
 
-        return run
+        return _repeated(run, per_rep)
 
     with guard(ddps[0]):
-        timed = _paired(steps(0), steps(1), reps)
+        timed = _paired(step(0), step(1), reps)
     return {"params": params_of(models[0]), "steps_per_rep": per_rep, **timed}
 
 
@@ -169,11 +174,6 @@ def fallback_ratio(reps: int) -> dict[str, Any]:
 CALLS = 2000
 
 
-def _repeat(call: Callable[[], Any]) -> None:
-    for _ in range(CALLS):
-        call()
-
-
 def call_overhead(reps: int) -> dict[str, Any]:
     """Per-call cost of routing a trivial loss through DDP (no grad, so only the routing and DDP's forward
     bookkeeping are timed): ours vs TRL's ``_ForwardRedirection`` (Lightning's), and vs parameter count."""
@@ -197,8 +197,8 @@ def call_overhead(reps: int) -> dict[str, Any]:
         # Separate models: TRL's redirection leaves a ``forward`` attribute on the module it touched.
         model, their_model = build_model(config), build_model(config)
         ddp, their_ddp = DDP(model), DDP(their_model)
-        ours = functools.partial(_repeat, functools.partial(route_loss, ddp, model, trivial, x))
-        trl = functools.partial(_repeat, functools.partial(theirs, their_ddp, their_model, trivial, x))
+        ours = _repeated(functools.partial(route_loss, ddp, model, trivial, x), CALLS)
+        trl = _repeated(functools.partial(theirs, their_ddp, their_model, trivial, x), CALLS)
         with torch.no_grad():
             row: dict[str, Any] = {"params": sum(p.numel() for p in model.parameters())}
             if theirs is not None:
@@ -213,20 +213,26 @@ def call_overhead(reps: int) -> dict[str, Any]:
     return out
 
 
-def _malloc_in_use() -> int | None:
-    """Bytes glibc's malloc has handed out right now (torch's CPU tensors come from it); None off glibc."""
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+    )]  # fmt: skip
+
+
+@functools.cache
+def _mallinfo2() -> Callable[[], _MallInfo2] | None:
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        info = libc.mallinfo2
+        info = ctypes.CDLL("libc.so.6").mallinfo2
     except (OSError, AttributeError):
         return None
+    info.restype = _MallInfo2
+    return info  # type: ignore[no-any-return]
 
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
-        )]  # fmt: skip
 
-    info.restype = MallInfo2
+def _malloc_in_use() -> int:
+    """Bytes glibc's malloc has handed out right now (torch's CPU tensors come from it)."""
+    info = _mallinfo2()
+    assert info is not None, "glibc only"
     current = info()
     return int(current.uordblks + current.hblkhd)
 
@@ -235,7 +241,7 @@ def allocated_in_step(size: str, reps: int) -> dict[str, Any]:
     """Bytes allocated and still held after the forward (activations, the loss) and after the backward
     (plus gradients), routed vs native, same model size, same process, alternating: unlike peak RSS, exact to
     the byte. Routing that copied its payload would show up here."""
-    if _malloc_in_use() is None:
+    if _mallinfo2() is None:
         return {"error": "mallinfo2 is glibc-only"}
     config = SIZES[size]
     ids = torch.randint(0, config.vocab, (4, config.seq))
@@ -251,12 +257,12 @@ def allocated_in_step(size: str, reps: int) -> dict[str, Any]:
         for name in paths if rep % 2 == 0 else reversed(paths):
             model, forward = paths[name]
             gc.collect()
-            base = _malloc_in_use() or 0
+            base = _malloc_in_use()
             loss = forward()
-            after_forward = (_malloc_in_use() or 0) - base
+            after_forward = _malloc_in_use() - base
             loss.backward()
             del loss
-            after_backward = (_malloc_in_use() or 0) - base
+            after_backward = _malloc_in_use() - base
             model.zero_grad(set_to_none=True)
             if rep >= 2:
                 held[name]["forward"].append(after_forward)

@@ -38,6 +38,18 @@ MODES: tuple[str, ...] = ("auto", "redirect", "isolate")
 log = logging.getLogger("wrapperroute")
 
 _MISSING = object()
+
+
+def _original_forward(module: nn.Module, saved: object) -> Callable[..., Any]:
+    """What ``module.forward`` was before we swapped it: the instance forward we saved, else the class's."""
+    return saved if saved is not _MISSING else type(module).forward.__get__(module)  # type: ignore[return-value]
+
+
+def _restore_forward(module: nn.Module, saved: object) -> None:
+    if saved is _MISSING:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = saved
 # Results whose body has not run yet: a loss computed from them would run outside the wrapper's forward.
 _LAZY_RESULTS = frozenset({types.CoroutineType, types.GeneratorType, types.AsyncGeneratorType})
 
@@ -70,6 +82,7 @@ class _Call:
         gather: tuple[nn.Module, ...],
         nested: tuple[nn.Module, ...],
         target: nn.Module,
+        state: _Redirection | None = None,
     ) -> None:
         self.wrapper = wrapper
         self.target = target
@@ -81,7 +94,7 @@ class _Call:
         self.gather = gather
         self.nested = nested
         self.ran = False  # set when the wrapper's forward reached the loss: else the wrapper changed the token
-        self.state: _Redirection | None = None
+        self.state = state  # the target's swap state; holds the wrapper passthrough while the loss runs
 
     def run(self) -> Any:
         self.ran = True
@@ -158,10 +171,7 @@ class _Redirection:
         self.lock.acquire()
         self.passing -= 1
         if not self.passing:
-            if self.saved_wrapper is _MISSING:
-                wrapper.__dict__.pop("forward", None)
-            else:
-                wrapper.__dict__["forward"] = self.saved_wrapper
+            _restore_forward(wrapper, self.saved_wrapper)
             self.saved_wrapper = _MISSING
             self.wrapper = None
         self.lock.release()
@@ -195,9 +205,7 @@ def _make_dispatch(target_ref: weakref.ref[nn.Module], state: _Redirection) -> C
                 return args[0].run()
         # Another thread calling the model normally while a loss is routed: behave as the real forward. (A
         # wrapper that changed our token lands here too; _call_through then says so.)
-        saved = state.saved
-        original = saved if saved is not _MISSING else type(target).forward.__get__(target)
-        return original(*args, **kwargs)  # type: ignore[operator]
+        return _original_forward(target, state.saved)(*args, **kwargs)
 
     return forward
 
@@ -212,9 +220,7 @@ def _make_passthrough(target_ref: weakref.ref[nn.Module], state: _Redirection) -
             raise RouteStateError("the routed wrapper was called after its loss ended, through a stale forward")
         if id(wrapper) in _thread.routing:
             return target(*args, **kwargs)
-        saved = state.saved_wrapper
-        original = saved if saved is not _MISSING else type(wrapper).forward.__get__(wrapper)
-        return original(*args, **kwargs)  # type: ignore[operator]
+        return _original_forward(wrapper, state.saved_wrapper)(*args, **kwargs)
 
     return forward
 
@@ -532,8 +538,8 @@ def _call_through(
 ) -> T:
     if target is None:
         target = adapter.redirect_target(wrapper)
-    call = _Call(wrapper, adapter, fn, args, kwargs, isolate, gather, nested, target)
-    call.state = state = _redirection_for(target)
+    state = _redirection_for(target)
+    call = _Call(wrapper, adapter, fn, args, kwargs, isolate, gather, nested, target, state)
     grad = torch.is_grad_enabled()
     with state.lock:
         if state.count:  # another thread is inside this wrapper's forward (one thread never gets here twice)
@@ -573,10 +579,7 @@ def _call_through(
         state.count -= 1
         state.grad_calls -= grad
         if state.count == 0:
-            if state.saved is _MISSING:
-                target.__dict__.pop("forward", None)
-            else:
-                target.__dict__["forward"] = state.saved
+            _restore_forward(target, state.saved)
             state.saved = _MISSING
         state.lock.release()
     if not call.ran:
