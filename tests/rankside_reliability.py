@@ -449,6 +449,37 @@ def long_run(wrapper: str, opts: dict[str, Any], steps: int, warmup: int) -> dic
     }
 
 
+def released(wrapper: str, opts: dict[str, Any], routed: bool) -> dict[str, Any]:
+    """Build a wrapped model, take ``steps`` routed steps (none when not ``routed``: the control), drop every
+    reference the test holds, collect: whether the model and its wrapper are still alive, and the
+    bookkeeping route_loss keeps."""
+    import gc
+    import weakref
+
+    from wrapperroute import route as route_module
+
+    def run() -> tuple[weakref.ref[nn.Module], weakref.ref[nn.Module]]:
+        wrapped = WRAPPERS[wrapper].build(build_model(CONFIG), dict(opts))
+        case = LOSSES["fused_ce"]
+        for step in range(2 if routed else 0):
+            batch = make_batch(case, CONFIG, dist.get_rank(), step, 0)
+            loss = route_loss(wrapped.model, wrapped.inner, case.compute, wrapped.inner, batch, {})
+            wrapped.backward(loss)
+            wrapped.step()
+        return weakref.ref(wrapped.inner), weakref.ref(wrapped.model)
+
+    gc.collect()
+    plans, redirections = len(route_module._plans), len(route_module._redirections)
+    inner, model = run()
+    gc.collect()
+    return {
+        "inner_alive": inner() is not None,
+        "model_alive": model() is not None,
+        "plans_added": len(route_module._plans) - plans,
+        "redirections_added": len(route_module._redirections) - redirections,
+    }
+
+
 # --- threads ------------------------------------------------------------------------------------------------
 
 

@@ -232,6 +232,30 @@ def test_long_run(pool: RankPool, wrapper: str, opts: dict[str, Any], steps: int
         assert rank["rss_growth_mib"] <= 5.0, rank
 
 
+@pytest.mark.parametrize(
+    ("wrapper", "opts"),
+    [
+        pytest.param("ddp", {}, id="ddp"),
+        pytest.param("fsdp1", {"lm_head_unit": True}, id="fsdp1-lm_head_unit"),
+        pytest.param("fsdp2", {"groups": "layers"}, id="fsdp2-layers"),
+    ],
+)
+def test_routing_does_not_keep_the_model_alive(pool: RankPool, wrapper: str, opts: dict[str, Any]) -> None:
+    """A routed model is freed with its last reference (a notebook or sweep that builds one model per run
+    must not accumulate every model's parameters): route_loss and the adapters' caches hold modules only
+    weakly. (All three failed before the fix: the per-model plan, and the FSDP units cache through FSDP's
+    own state, held the model strongly.) Not DeepSpeed: the control fails there, deepspeed itself keeps
+    every engine alive."""
+    for control, routed in zip(
+        pool.run(rr.released, wrapper, opts, False, timeout=120),
+        pool.run(rr.released, wrapper, opts, True, timeout=120),
+        strict=True,
+    ):
+        assert not control["inner_alive"] and not control["model_alive"], control  # collectable unrouted
+        assert not routed["inner_alive"] and not routed["model_alive"], routed
+        assert routed["plans_added"] == 0 and routed["redirections_added"] == 0, routed
+
+
 # --- threads ------------------------------------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from ._kept import kept_forward_context
 from .adapters import Adapter
+from .adapters.base import NOTHING
 from .detect import Detection, detect, plain_types
 from .errors import RouteStateError, RouteTypeError, RouteValueError
 
@@ -45,11 +46,6 @@ def _original_forward(module: nn.Module, saved: object) -> Callable[..., Any]:
     return saved if saved is not _MISSING else type(module).forward.__get__(module)  # type: ignore[return-value]
 
 
-def _restore_forward(module: nn.Module, saved: object) -> None:
-    if saved is _MISSING:
-        module.__dict__.pop("forward", None)
-    else:
-        module.__dict__["forward"] = saved
 # Results whose body has not run yet: a loss computed from them would run outside the wrapper's forward.
 _LAZY_RESULTS = frozenset({types.CoroutineType, types.GeneratorType, types.AsyncGeneratorType})
 
@@ -69,7 +65,7 @@ _isolated_losses: set[object] = set()
 class _Call:
     """The token handed to the wrapper: the loss and everything needed to run it inside the forward."""
 
-    __slots__ = ("adapter", "args", "fn", "gather", "isolate", "kwargs", "nested", "ran", "state", "target", "wrapper")
+    __slots__ = ("adapter", "args", "check", "extra", "fn", "kwargs", "ran", "state", "wrapper")
 
     def __init__(
         self,
@@ -78,55 +74,56 @@ class _Call:
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        isolate: bool,
-        gather: tuple[nn.Module, ...],
-        nested: tuple[nn.Module, ...],
-        target: nn.Module,
-        state: _Redirection | None = None,
+        state: _Redirection | None,
+        extra: tuple[bool, tuple[nn.Module, ...], tuple[nn.Module, ...]] | None,
+        check: Callable[[nn.Module, Any], None] | None,
     ) -> None:
         self.wrapper = wrapper
-        self.target = target
         self.adapter = adapter
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
-        self.isolate = isolate
-        self.gather = gather
-        self.nested = nested
+        self.state = state  # the target's swap state, when the wrapper is not the target itself (FSDP2)
+        self.extra = extra  # (isolate, gather, nested units) for adapter.inside; None: nothing to enter
+        self.check = check  # the adapter's result check, if it has one
         self.ran = False  # set when the wrapper's forward reached the loss: else the wrapper changed the token
-        self.state = state  # the target's swap state; holds the wrapper passthrough while the loss runs
 
     def run(self) -> Any:
         self.ran = True
-        wrapper = self.wrapper
-        routing = _thread.routing
-        routing.add(id(wrapper))
-        # While the loss runs, a call of the wrapper itself (fn calling model(...)) is a plain call of the inner
-        # module: the wrapper is already prepared, and its pre/post-forward again would re-arm DDP's reducer or
-        # reshard FSDP parameters mid-loss. Only in this thread: another thread's model(...) is a real forward.
-        # (FSDP2's wrapper is the module itself: its adapter sets hooks aside.)
-        state = self.state if self.target is not wrapper else None
+        wrapper, state = self.wrapper, self.state
         if state is not None:
-            state.enter_passthrough(wrapper)
+            # The wrapper's passthrough (see _Redirection), put in from inside its forward so that our own call
+            # of the wrapper never goes through it. No lock: only calls in flight get here, so the last call
+            # out (which restores it, under the lock) cannot run concurrently, and two threads putting it in
+            # at once save the same forward.
+            current = wrapper.__dict__.get("forward", _MISSING)
+            if current is not state.passthrough:
+                state.wrapper, state.saved_wrapper = wrapper, current
+                wrapper.__dict__["forward"] = state.passthrough
+        routing = _thread.routing
+        routing.add(id(wrapper))  # a call of the wrapper from the loss is now a plain inner call (passthrough)
         try:
-            with self.adapter.inside(wrapper, isolate=self.isolate, gather=self.gather):
-                if self.nested:  # a shard unit the loss reads from: enter its forward too
-                    unit, rest = self.nested[0], self.nested[1:]
-                    return _call_through(
-                        unit, self.adapter, self.fn, self.args, self.kwargs, self.isolate, self.gather, rest
-                    )
+            if self.extra is None:  # DDP's every step: nothing to enter around the loss
                 result = self.fn(*self.args, **self.kwargs)
-                if type(result) in _LAZY_RESULTS:
-                    raise RouteTypeError(
-                        f"fn returned a {type(result).__name__}: its body has not run, so the loss would be "
-                        "computed later, outside the wrapper's forward. Pass a plain function that returns the "
-                        "loss (call the async/generator function yourself inside it)."
-                    )
-                self.adapter.check_result(wrapper, result)
-                return result
+            else:
+                isolate, gather, nested = self.extra
+                with self.adapter.inside(wrapper, isolate=isolate, gather=gather):
+                    if nested:  # a shard unit the loss reads from: enter its forward too
+                        rest = (isolate, gather, nested[1:])
+                        return _call_through(
+                            nested[0], self.adapter, None, None, self.fn, self.args, self.kwargs, rest, self.check
+                        )
+                    result = self.fn(*self.args, **self.kwargs)
+            if type(result) in _LAZY_RESULTS:
+                raise RouteTypeError(
+                    f"fn returned a {type(result).__name__}: its body has not run, so the loss would be "
+                    "computed later, outside the wrapper's forward. Pass a plain function that returns the "
+                    "loss (call the async/generator function yourself inside it)."
+                )
+            if self.check is not None:
+                self.check(wrapper, result)
+            return result
         finally:
-            if state is not None:
-                state.leave_passthrough(wrapper)
             routing.discard(id(wrapper))
 
     def __repr__(self) -> str:  # shows up in wrapper error messages; keep it short
@@ -134,47 +131,64 @@ class _Call:
 
 
 class _Redirection:
-    """The swapped ``forward`` of one target module, shared by every in-flight call on it (refcounted).
+    """The swapped forwards of one target module and of the wrapper calling it, shared by every in-flight
+    call on the target (refcounted under ``lock``: the first call in swaps the target's forward for
+    ``dispatch``, the last call out restores both).
 
-    Built once per target and kept while the target lives; it holds the target only weakly.
+    The wrapper's ``passthrough``: while a loss runs, a call of the wrapper itself from the loss (fn calling
+    model(...)) must be a plain call of the inner module: the wrapper is already prepared, and its
+    pre/post-forward again would re-arm DDP's reducer or reshard FSDP parameters mid-loss. It decides per
+    thread, so another thread's model(...) stays a real forward. (FSDP2's wrapper is the target: its adapter
+    sets hooks aside instead.)
+
+    Built once per target and kept while the target lives; it holds the target only weakly, and the wrapper
+    only while calls are in flight.
     """
 
     __slots__ = (
-        "count", "dispatch", "grad_calls", "kept", "kept_source", "lock", "passing", "passthrough", "saved",
-        "saved_wrapper", "wrapper",
+        "count", "dispatch", "grad_calls", "kept", "kept_source", "lock", "passthrough", "saved", "saved_wrapper",
+        "wrapper",
     )  # fmt: skip
 
     def __init__(self, target: nn.Module) -> None:
         self.lock = threading.Lock()
         self.count = 0
         self.grad_calls = 0  # in-flight calls recording a graph
-        self.saved: object = _MISSING  # the instance forward we replaced, while swapped
+        self.saved: object = _MISSING  # the target's instance forward we replaced, while swapped
         self.kept: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
         self.kept_source: weakref.ref[Any] | None = None  # the instance forward ``kept`` was read from
+        self.wrapper: nn.Module | None = None  # while the passthrough is in
+        self.saved_wrapper: object = _MISSING  # the wrapper's instance forward it replaced
         target_ref = weakref.ref(target)
         self.dispatch = _make_dispatch(target_ref, self)
         self.passthrough = _make_passthrough(target_ref, self)
-        self.passing = 0  # losses running inside the wrapper's forward (the passthrough is installed)
-        self.saved_wrapper: object = _MISSING  # the wrapper's instance forward, while the passthrough is in
-        self.wrapper: nn.Module | None = None  # the wrapper, while the passthrough is in (held only then)
 
-    def enter_passthrough(self, wrapper: nn.Module) -> None:
-        self.lock.acquire()
-        if not self.passing:
-            self.wrapper = wrapper
-            self.saved_wrapper = wrapper.__dict__.get("forward", _MISSING)
-            wrapper.__dict__["forward"] = self.passthrough
-        self.passing += 1
-        self.lock.release()
+    def keep(self, target: nn.Module, saved: Any) -> None:
+        """The target had an instance forward (accelerate's AMP wrapper): read the contexts to keep, once per
+        distinct forward."""
+        if self.kept_source is not None and self.kept_source() is saved:
+            return
+        self.kept = kept_forward_context(target, saved)
+        try:
+            self.kept_source = weakref.ref(saved)
+        except TypeError:  # not weakly referenceable: read it again next time
+            self.kept_source = None
 
-    def leave_passthrough(self, wrapper: nn.Module) -> None:
-        self.lock.acquire()
-        self.passing -= 1
-        if not self.passing:
-            _restore_forward(wrapper, self.saved_wrapper)
-            self.saved_wrapper = _MISSING
+    def restore(self, target: nn.Module) -> None:
+        """Put the original forwards back (under ``lock``, by the last call out)."""
+        if self.saved is _MISSING:
+            target.__dict__.pop("forward", None)
+        else:
+            target.__dict__["forward"] = self.saved
+            self.saved = _MISSING
+        wrapper = self.wrapper
+        if wrapper is not None:
+            if self.saved_wrapper is _MISSING:
+                wrapper.__dict__.pop("forward", None)
+            else:
+                wrapper.__dict__["forward"] = self.saved_wrapper
+                self.saved_wrapper = _MISSING
             self.wrapper = None
-        self.lock.release()
 
 
 _redirections: dict[int, _Redirection] = {}
@@ -194,9 +208,6 @@ def _redirection_for(target: nn.Module) -> _Redirection:
 
 def _make_dispatch(target_ref: weakref.ref[nn.Module], state: _Redirection) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
-        target = target_ref()
-        if target is None:  # unreachable while the module is being called; keeps the types honest
-            raise RouteStateError("the routed module was garbage-collected during its own forward")
         if len(args) == 1 and not kwargs and type(args[0]) is _Call:
             kept = state.kept
             if kept is None:
@@ -205,31 +216,36 @@ def _make_dispatch(target_ref: weakref.ref[nn.Module], state: _Redirection) -> C
                 return args[0].run()
         # Another thread calling the model normally while a loss is routed: behave as the real forward. (A
         # wrapper that changed our token lands here too; _call_through then says so.)
+        target = target_ref()
+        if target is None:  # unreachable while the module is being called; keeps the types honest
+            raise RouteStateError("the routed module was garbage-collected during its own forward")
         return _original_forward(target, state.saved)(*args, **kwargs)
 
     return forward
 
 
 def _make_passthrough(target_ref: weakref.ref[nn.Module], state: _Redirection) -> Callable[..., Any]:
-    """The wrapper's ``forward`` while losses run inside it: in the thread running one, calling the wrapper is
-    a plain call of the inner module; in any other thread, the wrapper's real forward."""
+    """The wrapper's ``forward`` while losses run inside it: in a thread running one, calling the wrapper is a
+    plain call of the inner module; in any other thread, the wrapper's real forward."""
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        target, wrapper = target_ref(), state.wrapper
-        if target is None or wrapper is None:  # unreachable while a loss runs inside the wrapper
+        wrapper = state.wrapper
+        if wrapper is None:  # a forward read while swapped and called later
             raise RouteStateError("the routed wrapper was called after its loss ended, through a stale forward")
         if id(wrapper) in _thread.routing:
+            target = target_ref()
+            if target is None:  # unreachable while a loss runs inside the wrapper
+                raise RouteStateError("the routed module was garbage-collected during its own forward")
             return target(*args, **kwargs)
         return _original_forward(wrapper, state.saved_wrapper)(*args, **kwargs)
 
     return forward
 
 
-_hooks_probe = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
-
-
-def _saved_tensor_hooks_enabled() -> bool:
-    return bool(_hooks_probe()) if _hooks_probe is not None else True
+# Called before every routed step (only its error path reads it): the C function itself, not a wrapper.
+_saved_tensor_hooks_enabled: Callable[[], bool] = getattr(
+    torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True
+)
 
 
 def _fallback_key(fn: Callable[..., Any]) -> object:
@@ -301,30 +317,55 @@ def _check_inside(found: Detection, unwrapped: nn.Module, role: str) -> None:
         )
 
 
-class _Plan:
-    """What route_loss learns about one model object once: its detection and the modules checked to be
-    inside it. Kept while the model lives (held weakly) and while its class stays the same (fully_shard
-    changes a module's class)."""
+def _no_wrapper() -> None:
+    return None
 
-    __slots__ = ("checked", "found", "model_ref", "model_type", "replicated", "target")
+
+class _Plan:
+    """What route_loss learns about one model object once: the wrapper to call, its adapter, the module whose
+    forward is swapped, and the modules already checked to be inside the model.
+
+    Every module is held weakly: a plan must never keep a model (its parameters, its GPU memory) alive. It is
+    dropped with the model, and rebuilt when the model's class changes (fully_shard changes it) or a layer it
+    names is gone (a layer reassigned).
+    """
+
+    __slots__ = ("adapter", "check", "checked", "inner_ref", "kind", "model_ref", "model_type", "plain",
+                 "replicated", "state", "target_ref", "wrapper_ref")  # fmt: skip
 
     def __init__(self, model: nn.Module) -> None:
-        self.found = detect(model)  # first: it names a non-module argument clearly
+        found = detect(model)  # first: it names a non-module argument clearly
         self.model_ref = weakref.ref(model)
         self.model_type = type(model)
-        # nn.Module attribute lookups of submodules (``ddp.module``) cost a microsecond: once per model.
-        wrapper, adapter = self.found.wrapper, self.found.adapter
-        self.target = None if wrapper is None or adapter is None else adapter.redirect_target(wrapper)
-        # Neither gather= checks nor shard units to pick (DDP): skip those two calls on every step.
-        kind = type(adapter) if adapter is not None else Adapter
-        self.replicated = kind.validate_gather is Adapter.validate_gather and kind.nested_units is Adapter.nested_units
+        self.kind = found.kind
+        self.inner_ref = weakref.ref(found.inner)
+        wrapper, adapter = found.wrapper, found.adapter
+        self.wrapper_ref: Callable[[], nn.Module | None] = _no_wrapper
+        self.adapter = adapter
+        self.target_ref: Callable[[], nn.Module | None] = _no_wrapper
+        self.state: _Redirection | None = None
+        self.plain = self.replicated = False
+        self.check: Callable[[nn.Module, Any], None] | None = None
+        if wrapper is not None and adapter is not None:
+            # nn.Module attribute lookups of submodules (``ddp.module``) cost a microsecond: once per model.
+            target = adapter.redirect_target(wrapper)
+            self.wrapper_ref, self.target_ref = weakref.ref(wrapper), weakref.ref(target)
+            self.state = _redirection_for(target)
+            # Neither gather= checks nor shard units to pick (DDP): skip those two calls on every step.
+            kind = type(adapter)
+            self.replicated = (
+                kind.validate_gather is Adapter.validate_gather and kind.nested_units is Adapter.nested_units
+            )
+            # Nothing to enter around a plain call's loss (DDP): not asked again on such calls.
+            self.plain = adapter.inside(wrapper, isolate=False, gather=()) is NOTHING
+            self.check = adapter.result_check(wrapper)
         self.checked: dict[int, weakref.ref[nn.Module]] = {}
 
-    def check_inside(self, module: nn.Module, role: str) -> None:
+    def check_inside(self, model: nn.Module, module: nn.Module, role: str) -> None:
         known = self.checked.get(id(module))
         if known is not None and known() is module:
             return
-        _check_inside(self.found, module, role)
+        _check_inside(detect(model), module, role)
         self.checked[id(module)] = weakref.ref(module)
 
 
@@ -333,7 +374,12 @@ _plans: dict[int, _Plan] = {}
 
 def _plan_for(model: nn.Module) -> _Plan:
     plan = _plans.get(id(model))
-    if plan is not None and plan.model_ref() is model and plan.model_type is type(model):
+    if (
+        plan is not None
+        and plan.model_ref() is model
+        and plan.model_type is type(model)
+        and (plan.state is None or plan.wrapper_ref() is not None)
+    ):
         return plan
     plan = _Plan(model)
     if id(model) not in _plans:
@@ -400,29 +446,30 @@ def route_loss(
         raise RouteValueError(f"mode must be one of {MODES}, got {mode!r}")
     if type(model) in plain_types and gather is None and (unwrapped is None or unwrapped is model):
         return fn(*args, **kwargs)  # a plain module, already seen by detect: nothing to route through
-    plan = _plan_for(model)
-    found = plan.found
-    if unwrapped is not None and unwrapped is not found.inner:
-        plan.check_inside(unwrapped, "unwrapped")
+    plan = _plans.get(id(model))
+    wrapper = plan.wrapper_ref() if plan is not None and plan.model_ref() is model else None
+    if wrapper is None or plan is None or plan.model_type is not type(model):  # no plan yet, stale, or no wrapper
+        plan = _plan_for(model)
+        wrapper = plan.wrapper_ref()
+    if unwrapped is not None and unwrapped is not plan.inner_ref():
+        plan.check_inside(model, unwrapped, "unwrapped")
     modules = () if gather is None else _as_gather(gather)
     for module in modules:
-        plan.check_inside(module, "a gather= entry")
-    wrapper, adapter = found.wrapper, found.adapter
-    if wrapper is None or adapter is None:
+        plan.check_inside(model, module, "a gather= entry")
+    adapter, state = plan.adapter, plan.state
+    if wrapper is None or adapter is None or state is None:
         return fn(*args, **kwargs)
     if id(wrapper) in _thread.routing:
         # Already inside this wrapper's forward: it is armed for this step; entering again would clobber it.
         return fn(*args, **kwargs)
-    if adapter.in_forward(wrapper):
-        # The wrapper's own forward is running. Ours in another thread (its flags are process-wide): go on to
-        # the concurrency check in _call_through. Otherwise this thread's (fn routed from inside the model's
-        # forward): armed already, so a plain call.
-        state = _redirections.get(id(adapter.redirect_target(wrapper)))
-        if state is None or not state.count:
-            return fn(*args, **kwargs)
+    if adapter.in_forward(wrapper) and not state.count:
+        # This thread is inside the wrapper's own forward (fn routed from the model's forward): armed already,
+        # so a plain call. (With calls of ours in flight, the flag may be another thread's: _call_through's
+        # concurrency check decides.)
+        return fn(*args, **kwargs)
     if not dist.is_initialized():
         raise RouteStateError(
-            f"model is a {found.kind!r} wrapper but torch.distributed has no process group (never initialised, "
+            f"model is a {plan.kind!r} wrapper but torch.distributed has no process group (never initialised, "
             "or destroyed): its forward cannot synchronise anything. Call torch.distributed.init_process_group "
             "before routing (and keep it until the last step), or route the unwrapped model without a wrapper."
         )
@@ -430,32 +477,20 @@ def route_loss(
     if modules or not plan.replicated:
         adapter.validate_gather(wrapper, modules)
         nested = adapter.nested_units(wrapper, modules)
-    if not agree:
-        return _route(wrapper, adapter, fn, args, kwargs, mode, modules, nested, plan.target)
-    try:
-        result = _route(wrapper, adapter, fn, args, kwargs, mode, modules, nested, plan.target)
-    except BaseException as error:
-        _agree(adapter, wrapper, error)
-        raise
-    _agree(adapter, wrapper, None)
-    return result
-
-
-def _route(
-    wrapper: nn.Module,
-    adapter: Adapter,
-    fn: Callable[..., T],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    mode: Mode,
-    modules: tuple[nn.Module, ...],
-    nested: tuple[nn.Module, ...],
-    target: nn.Module | None,
-) -> T:
-    isolate = mode == "isolate" or (mode == "auto" and bool(_isolated_losses) and _fallback_key(fn) in _isolated_losses)
+    if agree:  # the same call, then one flag exchanged, raised or not
+        try:
+            result = route_loss(model, unwrapped, fn, *args, mode=mode, gather=gather, **kwargs)
+        except BaseException as error:
+            _agree(adapter, wrapper, error)
+            raise
+        _agree(adapter, wrapper, None)
+        return result
+    isolate = mode == "isolate" or (bool(_isolated_losses) and mode == "auto" and _fallback_key(fn) in _isolated_losses)
+    extra = None if plan.plain and not (isolate or modules or nested) else (isolate, modules, nested)
+    target = plan.target_ref()
     hooks_enabled = _saved_tensor_hooks_enabled()
     try:
-        return _call_through(wrapper, adapter, fn, args, kwargs, isolate, modules, nested, target)
+        return _call_through(wrapper, adapter, target, state, fn, args, kwargs, extra, plan.check)
     except _RefusedError:
         raise  # nothing was entered; the wrapper belongs to the thread inside it: leave it alone
     except BaseException as error:  # KeyboardInterrupt too: a notebook user may go on training
@@ -466,6 +501,7 @@ def _route(
             torch._C._autograd._saved_tensors_hooks_enable()
         if not isinstance(error, Exception) or mode != "auto" or isolate or not _is_graph_optimizer_failure(error):
             raise
+    # The functorch fallback: the same loss once more, isolated from DDP's graph optimizer (adapters/ddp.py).
     _isolated_losses.add(_fallback_key(fn))
     log.warning(
         "wrapperroute: %s failed under DDP's graph optimizer (a torch.func loss split across buckets); "
@@ -473,7 +509,7 @@ def _route(
         getattr(fn, "__qualname__", type(fn).__name__),
     )
     try:
-        return _call_through(wrapper, adapter, fn, args, kwargs, True, modules, nested, target)
+        return _call_through(wrapper, adapter, target, state, fn, args, kwargs, (True, modules, nested), plan.check)
     except BaseException:
         _recover(adapter, wrapper)
         raise
@@ -528,18 +564,18 @@ def _agree(adapter: Adapter, wrapper: nn.Module, error: BaseException | None) ->
 def _call_through(
     wrapper: nn.Module,
     adapter: Adapter,
+    target: nn.Module | None,
+    state: _Redirection | None,
     fn: Callable[..., T],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    isolate: bool,
-    gather: tuple[nn.Module, ...],
-    nested: tuple[nn.Module, ...] = (),
-    target: nn.Module | None = None,
+    extra: tuple[bool, tuple[nn.Module, ...], tuple[nn.Module, ...]] | None,
+    check: Callable[[nn.Module, Any], None] | None,
 ) -> T:
-    if target is None:
+    if target is None or state is None:  # a nested shard unit: looked up per call (FSDP1, not the hot path)
         target = adapter.redirect_target(wrapper)
-    state = _redirection_for(target)
-    call = _Call(wrapper, adapter, fn, args, kwargs, isolate, gather, nested, target, state)
+        state = _redirection_for(target)
+    call = _Call(wrapper, adapter, fn, args, kwargs, state if target is not wrapper else None, extra, check)
     grad = torch.is_grad_enabled()
     with state.lock:
         if state.count:  # another thread is inside this wrapper's forward (one thread never gets here twice)
@@ -551,17 +587,12 @@ def _call_through(
                     "evaluation calls under torch.no_grad() (DDP), or use separate models on separate process "
                     "groups."
                 )
-        else:
-            saved = target.__dict__.get("forward", _MISSING)
-            state.saved = saved
+        else:  # the first call in: swap the target's forward for the dispatch
+            saved = state.saved = target.__dict__.get("forward", _MISSING)
             if saved is _MISSING:
-                state.kept = state.kept_source = None
-            elif state.kept_source is None or state.kept_source() is not saved:
-                state.kept = kept_forward_context(target, saved)  # read once per distinct instance forward
-                try:
-                    state.kept_source = weakref.ref(saved)
-                except TypeError:  # not weakly referenceable: read it again next time
-                    state.kept_source = None
+                state.kept = None
+            else:
+                state.keep(target, saved)
             target.__dict__["forward"] = state.dispatch
         state.count += 1
         state.grad_calls += grad
@@ -575,13 +606,11 @@ def _call_through(
             )
         raise
     finally:
-        state.lock.acquire()
-        state.count -= 1
-        state.grad_calls -= grad
-        if state.count == 0:
-            _restore_forward(target, state.saved)
-            state.saved = _MISSING
-        state.lock.release()
+        with state.lock:
+            state.count -= 1
+            state.grad_calls -= grad
+            if not state.count:
+                state.restore(target)
     if not call.ran:
         raise _token_lost(target)
     return result

@@ -50,14 +50,22 @@ def units_for(
     inner: nn.Module,
     gather: tuple[nn.Module, ...],
     is_unit: Callable[[nn.Module], bool],
-    auto_cache: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, ...]],
+    auto_cache: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]],
 ) -> tuple[nn.Module, ...]:
     """The units to enter for ``gather``, or, when it is empty, for the output embedding (found once per
-    wrapper: the module tree does not change after wrapping)."""
+    wrapper: the module tree does not change after wrapping).
+
+    The cache holds the units weakly: a unit reaches its root through FSDP's state, and a strong value would
+    keep its own weak key (the wrapper, so the whole model) alive for good.
+    """
     if gather:
         return owning_units(wrapper, gather, is_unit)
-    units = auto_cache.get(wrapper)
-    if units is None:
-        head = output_embedding(inner)
-        units = auto_cache[wrapper] = owning_units(wrapper, (head,), is_unit) if head is not None else ()
-    return units
+    cached = auto_cache.get(wrapper)
+    if cached is not None:
+        units = tuple(ref() for ref in cached)
+        if all(unit is not None for unit in units):
+            return units  # type: ignore[return-value]  # checked: none is None
+    head = output_embedding(inner)
+    found = owning_units(wrapper, (head,), is_unit) if head is not None else ()
+    auto_cache[wrapper] = tuple(weakref.ref(unit) for unit in found)
+    return found

@@ -9,6 +9,7 @@ them.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from torch import nn
@@ -58,6 +59,8 @@ class Adapter:
 
         ``isolate``: keep wrapper-specific compiler passes away from the loss (the functorch fallback).
         ``gather``: modules whose parameters the loss reads directly and that must be whole while it runs.
+        An adapter that returns ``NOTHING`` for ``isolate=False, gather=()`` is asked that once per model, not
+        on every plain call: such an answer must not depend on anything but the arguments.
         """
         return NOTHING
 
@@ -68,9 +71,12 @@ class Adapter:
         """
         return ()
 
-    def check_result(self, wrapper: nn.Module, result: Any) -> None:
-        """Reject, inside the forward (so the wrapper's post-forward never sees it), a result the wrapper
-        would mishandle. Called on every routed step: keep it cheap."""
+    def result_check(self, wrapper: nn.Module) -> Callable[[nn.Module, Any], None] | None:
+        """A check ``(wrapper, result)`` that rejects, inside the forward (so the wrapper's post-forward never
+        sees it), a loss result the wrapper would mishandle; None when this wrapper needs none. Asked once per
+        model; the check runs on every routed step, so keep it cheap, and module-level (a plan must not hold
+        the wrapper)."""
+        return None
 
     def recover(self, wrapper: nn.Module) -> None:
         """Return the wrapper to its between-steps state after an exception escaped its forward (raised by the

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -68,23 +68,9 @@ class DDPAdapter(Adapter):
     ) -> contextlib.AbstractContextManager[Any]:
         return _without_graph_optimizer() if isolate else NOTHING
 
-    def check_result(self, wrapper: nn.Module, result: Any) -> None:
-        # With find_unused_parameters, _post_forward walks the output (_find_tensors: tensors, lists, tuples,
-        # dicts, dataclasses) and marks every parameter it cannot reach as unused. A loss it cannot see (no
-        # tensor, detached, or held in another object) gets every parameter marked unused, and the backward
-        # then fails with DDP's misleading "marked as ready twice". Raised here, before _post_forward, the
-        # reducer is left unprepared: the next step runs normally.
+    def result_check(self, wrapper: nn.Module) -> Callable[[nn.Module, Any], None] | None:
         ddp: DistributedDataParallel = wrapper  # type: ignore[assignment]
-        if not (ddp.find_unused_parameters and ddp.require_backward_grad_sync and torch.is_grad_enabled()):
-            return
-        if any(t.requires_grad for t in _find_tensors(result)):
-            return
-        raise RouteValueError(
-            f"fn returned {type(result).__name__} with no tensor that requires grad, under DDP "
-            "find_unused_parameters=True: DDP would mark every parameter unused and the backward would fail "
-            "('marked as ready twice'). Return the loss tensor (alone or in a tuple, list, dict or dataclass); "
-            "for a call that computes no loss (metrics, evaluation) run route_loss under torch.no_grad()."
-        )
+        return _check_reachable if ddp.find_unused_parameters else None  # fixed at construction
 
     def concurrency_error(self, wrapper: nn.Module, grad: bool, grad_calls: int) -> str | None:
         # Gradient sync state (the reducer) is per model: one recorded forward per backward. A no-grad forward
@@ -98,6 +84,25 @@ class DDPAdapter(Adapter):
 
     def process_group(self, wrapper: nn.Module) -> Any:
         return wrapper.process_group
+
+
+def _check_reachable(wrapper: nn.Module, result: Any) -> None:
+    # With find_unused_parameters, _post_forward walks the output (_find_tensors: tensors, lists, tuples,
+    # dicts, dataclasses) and marks every parameter it cannot reach as unused. A loss it cannot see (no
+    # tensor, detached, or held in another object) gets every parameter marked unused, and the backward
+    # then fails with DDP's misleading "marked as ready twice". Raised here, before _post_forward, the
+    # reducer is left unprepared: the next step runs normally.
+    ddp: DistributedDataParallel = wrapper  # type: ignore[assignment]
+    if not (ddp.require_backward_grad_sync and torch.is_grad_enabled()):
+        return
+    if any(t.requires_grad for t in _find_tensors(result)):
+        return
+    raise RouteValueError(
+        f"fn returned {type(result).__name__} with no tensor that requires grad, under DDP "
+        "find_unused_parameters=True: DDP would mark every parameter unused and the backward would fail "
+        "('marked as ready twice'). Return the loss tensor (alone or in a tuple, list, dict or dataclass); "
+        "for a call that computes no loss (metrics, evaluation) run route_loss under torch.no_grad()."
+    )
 
 
 _RUN_FORWARD = DistributedDataParallel._run_ddp_forward.__code__

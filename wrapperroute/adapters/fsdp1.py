@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from ._units import units_for
 from .base import Adapter
 
-_auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, ...]] = weakref.WeakKeyDictionary()
+_auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = weakref.WeakKeyDictionary()
 
 
 def _is_unit(module: nn.Module) -> bool:
