@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
 import subprocess
@@ -23,3 +24,14 @@ def test_quick_benchmark_runs(tmp_path: pathlib.Path) -> None:
     assert "error" in allocated or allocated["forward_native_mib"] > 0  # the harness counted something
     assert len(results["peak_rss"]["runs"]["routed"]) == 2
     assert "routed / native DDP step" in done.stdout
+
+
+def test_instruction_count_workers_run() -> None:
+    """benchmarks/instructions.py counts under valgrind (20 minutes: not here); its two workers must run."""
+    paths = ["ours"] + (["trl"] if importlib.util.find_spec("trl") is not None else [])
+    for path in paths:
+        done = subprocess.run(
+            [sys.executable, str(BENCH / "instructions.py"), "--worker", path, "3"],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0 and f"{path}: 3 calls" in done.stdout, (path, done.stderr[-3000:])
