@@ -256,6 +256,41 @@ def test_routing_does_not_keep_the_model_alive(pool: RankPool, wrapper: str, opt
         assert routed["plans_added"] == 0 and routed["redirections_added"] == 0, routed
 
 
+# --- edge cases found in review -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def edges(pool: RankPool) -> list[dict[str, Any]]:
+    return pool.run(rr.edge_cases, timeout=120)
+
+
+def test_agree_with_a_gather_iterator_unshards_what_it_names(edges: list[dict[str, Any]]) -> None:
+    # agree=True reran the call with the iterator already used up: embed stayed sharded (a DTensor)
+    for rank in edges:
+        assert rank["agree_gather_iterator"] == {False: "Parameter", True: "Parameter"}, rank
+
+
+def test_two_wrappers_over_one_module_are_both_restored(edges: list[dict[str, Any]]) -> None:
+    # the second wrapper took the passthrough's slot: the first kept the passthrough for good
+    for rank in edges:
+        assert rank["two_wrappers_left"] == [False, False, False], rank
+
+
+def test_autocast_forward_put_back_is_kept_again(edges: list[dict[str, Any]]) -> None:
+    for rank in edges:
+        assert rank["kept_autocast"] == ["torch.bfloat16", "torch.float32", "torch.bfloat16"], rank
+
+
+def test_plain_call_that_read_the_passthrough_runs_after_the_loss_ended(edges: list[dict[str, Any]]) -> None:
+    for rank in edges:
+        assert rank["plain_thread_after_loss"] == {"shape": [2, 4]}, rank
+
+
+def test_model_sharded_after_its_first_call_is_routed(edges: list[dict[str, Any]]) -> None:
+    for rank in edges:
+        assert rank["sharded_after_first_call"] == "FORWARD", rank
+
+
 # --- threads ------------------------------------------------------------------------------------------------
 
 

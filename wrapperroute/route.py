@@ -91,15 +91,8 @@ class _Call:
     def run(self) -> Any:
         self.ran = True
         wrapper, state = self.wrapper, self.state
-        if state is not None:
-            # The wrapper's passthrough (see _Redirection), put in from inside its forward so that our own call
-            # of the wrapper never goes through it. No lock: only calls in flight get here, so the last call
-            # out (which restores it, under the lock) cannot run concurrently, and two threads putting it in
-            # at once save the same forward.
-            current = wrapper.__dict__.get("forward", _MISSING)
-            if current is not state.passthrough:
-                state.wrapper, state.saved_wrapper = wrapper, current
-                wrapper.__dict__["forward"] = state.passthrough
+        if state is not None and wrapper.__dict__.get("forward") is not state.passthrough:
+            state.pass_through(wrapper)
         routing = _thread.routing
         routing.add(id(wrapper))  # a call of the wrapper from the loss is now a plain inner call (passthrough)
         try:
@@ -146,8 +139,8 @@ class _Redirection:
     """
 
     __slots__ = (
-        "count", "dispatch", "grad_calls", "kept", "kept_source", "lock", "passthrough", "saved", "saved_wrapper",
-        "wrapper",
+        "count", "dispatch", "grad_calls", "kept", "kept_source", "last_wrapper", "lock", "passthrough", "saved",
+        "saved_wrapper", "wrapper",
     )  # fmt: skip
 
     def __init__(self, target: nn.Module) -> None:
@@ -159,6 +152,7 @@ class _Redirection:
         self.kept_source: weakref.ref[Any] | None = None  # the instance forward ``kept`` was read from
         self.wrapper: nn.Module | None = None  # while the passthrough is in
         self.saved_wrapper: object = _MISSING  # the wrapper's instance forward it replaced
+        self.last_wrapper: weakref.ref[nn.Module] | None = None  # the wrapper it was last put on (weakly)
         target_ref = weakref.ref(target)
         self.dispatch = _make_dispatch(target_ref, self)
         self.passthrough = _make_passthrough(target_ref, self)
@@ -173,6 +167,16 @@ class _Redirection:
             self.kept_source = weakref.ref(saved)
         except TypeError:  # not weakly referenceable: read it again next time
             self.kept_source = None
+
+    def pass_through(self, wrapper: nn.Module) -> None:
+        """Put the wrapper's passthrough in, from inside its forward (so our own call of the wrapper never goes
+        through it); the last call out restores it. Once per target: a second wrapper over the same module
+        (rare) keeps its own forward, as a second thread's call finds the passthrough already in."""
+        with self.lock:
+            if self.wrapper is None:
+                self.wrapper, self.saved_wrapper = wrapper, wrapper.__dict__.get("forward", _MISSING)
+                self.last_wrapper = weakref.ref(wrapper)
+                wrapper.__dict__["forward"] = self.passthrough
 
     def restore(self, target: nn.Module) -> None:
         """Put the original forwards back (under ``lock``, by the last call out)."""
@@ -230,8 +234,13 @@ def _make_passthrough(target_ref: weakref.ref[nn.Module], state: _Redirection) -
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         wrapper = state.wrapper
-        if wrapper is None:  # a forward read while swapped and called later
-            raise RouteStateError("the routed wrapper was called after its loss ended, through a stale forward")
+        if wrapper is None:
+            # Read while it was in (another thread's plain model(...) looked it up, then the last routed call
+            # ended): the wrapper's forward is back, so run that. Only a copy kept somewhere else is stale.
+            wrapper = state.last_wrapper() if state.last_wrapper is not None else None
+            if wrapper is None or wrapper.__dict__.get("forward") is forward:
+                raise RouteStateError("the routed wrapper was called after its loss ended, through a stale forward")
+            return wrapper.forward(*args, **kwargs)
         if id(wrapper) in _thread.routing:
             target = target_ref()
             if target is None:  # unreachable while a loss runs inside the wrapper
@@ -326,12 +335,13 @@ class _Plan:
     forward is swapped, and the modules already checked to be inside the model.
 
     Every module is held weakly: a plan must never keep a model (its parameters, its GPU memory) alive. It is
-    dropped with the model, and rebuilt when the model's class changes (fully_shard changes it) or a layer it
-    names is gone (a layer reassigned).
+    dropped with the model, and rebuilt when the model's class changes (fully_shard changes it), a wrapper it
+    names is gone, or, for a model without a wrapper, the inner module's class changes. (A layer swapped for
+    another while the old one lives on elsewhere is not noticed: route the new model object.)
     """
 
-    __slots__ = ("adapter", "check", "checked", "inner_ref", "kind", "model_ref", "model_type", "plain",
-                 "replicated", "state", "target_ref", "wrapper_ref")  # fmt: skip
+    __slots__ = ("adapter", "check", "checked", "inner_ref", "inner_type", "kind", "model_ref", "model_type",
+                 "plain", "replicated", "state", "target_ref", "wrapper_ref")  # fmt: skip
 
     def __init__(self, model: nn.Module) -> None:
         found = detect(model)  # first: it names a non-module argument clearly
@@ -339,6 +349,7 @@ class _Plan:
         self.model_type = type(model)
         self.kind = found.kind
         self.inner_ref = weakref.ref(found.inner)
+        self.inner_type = type(found.inner)
         wrapper, adapter = found.wrapper, found.adapter
         self.wrapper_ref: Callable[[], nn.Module | None] = _no_wrapper
         self.adapter = adapter
@@ -378,7 +389,9 @@ def _plan_for(model: nn.Module) -> _Plan:
         plan is not None
         and plan.model_ref() is model
         and plan.model_type is type(model)
-        and (plan.state is None or plan.wrapper_ref() is not None)
+        # A wrapper it names is gone; or, with none, the inner module changed class (fully_shard after a
+        # first call through a torch.compile or PEFT layer): detect again.
+        and (plan.wrapper_ref() is not None if plan.state is not None else type(plan.inner_ref()) is plan.inner_type)
     ):
         return plan
     plan = _Plan(model)
@@ -479,7 +492,8 @@ def route_loss(
         nested = adapter.nested_units(wrapper, modules)
     if agree:  # the same call, then one flag exchanged, raised or not
         try:
-            result = route_loss(model, unwrapped, fn, *args, mode=mode, gather=gather, **kwargs)
+            # gather as the tuple already read: an iterator passed in is used up
+            result = route_loss(model, unwrapped, fn, *args, mode=mode, gather=modules or None, **kwargs)
         except BaseException as error:
             _agree(adapter, wrapper, error)
             raise
@@ -590,7 +604,7 @@ def _call_through(
         else:  # the first call in: swap the target's forward for the dispatch
             saved = state.saved = target.__dict__.get("forward", _MISSING)
             if saved is _MISSING:
-                state.kept = None
+                state.kept = state.kept_source = None
             else:
                 state.keep(target, saved)
             target.__dict__["forward"] = state.dispatch
