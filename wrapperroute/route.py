@@ -46,6 +46,13 @@ def _original_forward(module: nn.Module, saved: object) -> Callable[..., Any]:
     return saved if saved is not _MISSING else type(module).forward.__get__(module)  # type: ignore[return-value]
 
 
+def _restore_forward(module: nn.Module, saved: object) -> None:
+    if saved is _MISSING:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = saved
+
+
 # Results whose body has not run yet: a loss computed from them would run outside the wrapper's forward.
 _LAZY_RESULTS = frozenset({types.CoroutineType, types.GeneratorType, types.AsyncGeneratorType})
 
@@ -180,19 +187,11 @@ class _Redirection:
 
     def restore(self, target: nn.Module) -> None:
         """Put the original forwards back (under ``lock``, by the last call out)."""
-        if self.saved is _MISSING:
-            target.__dict__.pop("forward", None)
-        else:
-            target.__dict__["forward"] = self.saved
-            self.saved = _MISSING
-        wrapper = self.wrapper
-        if wrapper is not None:
-            if self.saved_wrapper is _MISSING:
-                wrapper.__dict__.pop("forward", None)
-            else:
-                wrapper.__dict__["forward"] = self.saved_wrapper
-                self.saved_wrapper = _MISSING
-            self.wrapper = None
+        _restore_forward(target, self.saved)
+        self.saved = _MISSING
+        if self.wrapper is not None:
+            _restore_forward(self.wrapper, self.saved_wrapper)
+            self.wrapper, self.saved_wrapper = None, _MISSING
 
 
 _redirections: dict[int, _Redirection] = {}
@@ -372,6 +371,15 @@ class _Plan:
             self.check = adapter.result_check(wrapper)
         self.checked: dict[int, weakref.ref[nn.Module]] = {}
 
+    def current(self, model: nn.Module) -> bool:
+        """Still this model's plan: same object and class, and a wrapper it names alive (with none, the inner
+        module's class unchanged: fully_shard after a first call through a torch.compile or PEFT layer)."""
+        if self.model_ref() is not model or self.model_type is not type(model):
+            return False
+        if self.state is not None:
+            return self.wrapper_ref() is not None
+        return type(self.inner_ref()) is self.inner_type
+
     def check_inside(self, model: nn.Module, module: nn.Module, role: str) -> None:
         known = self.checked.get(id(module))
         if known is not None and known() is module:
@@ -383,17 +391,7 @@ class _Plan:
 _plans: dict[int, _Plan] = {}
 
 
-def _plan_for(model: nn.Module) -> _Plan:
-    plan = _plans.get(id(model))
-    if (
-        plan is not None
-        and plan.model_ref() is model
-        and plan.model_type is type(model)
-        # A wrapper it names is gone; or, with none, the inner module changed class (fully_shard after a
-        # first call through a torch.compile or PEFT layer): detect again.
-        and (plan.wrapper_ref() is not None if plan.state is not None else type(plan.inner_ref()) is plan.inner_type)
-    ):
-        return plan
+def _new_plan(model: nn.Module) -> _Plan:
     plan = _Plan(model)
     if id(model) not in _plans:
         weakref.finalize(model, _plans.pop, id(model), None)
@@ -460,10 +458,9 @@ def route_loss(
     if type(model) in plain_types and gather is None and (unwrapped is None or unwrapped is model):
         return fn(*args, **kwargs)  # a plain module, already seen by detect: nothing to route through
     plan = _plans.get(id(model))
-    wrapper = plan.wrapper_ref() if plan is not None and plan.model_ref() is model else None
-    if wrapper is None or plan is None or plan.model_type is not type(model):  # no plan yet, stale, or no wrapper
-        plan = _plan_for(model)
-        wrapper = plan.wrapper_ref()
+    if plan is None or not plan.current(model):
+        plan = _new_plan(model)
+    wrapper = plan.wrapper_ref()
     if unwrapped is not None and unwrapped is not plan.inner_ref():
         plan.check_inside(model, unwrapped, "unwrapped")
     modules = () if gather is None else _as_gather(gather)
