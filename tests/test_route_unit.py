@@ -64,7 +64,7 @@ def test_token_survives_ddp_input_handling() -> None:
     from torch.distributed.utils import _cast_forward_inputs, _to_kwargs
 
     module = nn.Linear(1, 1)
-    call = _Call(module, None, print, (), {}, None, None, None)  # type: ignore[arg-type]
+    call = _Call(module, print, (), {}, None, None)
     moved_args, moved_kwargs = _to_kwargs((call,), {}, torch.device("cpu"), False)
     assert moved_args[0][0] is call and moved_kwargs[0] == {}
     cast_args, _ = _cast_forward_inputs(torch.bfloat16, call)

@@ -72,62 +72,52 @@ _isolated_losses: set[object] = set()
 class _Call:
     """The token handed to the wrapper: the loss and everything needed to run it inside the forward."""
 
-    __slots__ = ("adapter", "args", "check", "extra", "fn", "kwargs", "ran", "state", "wrapper")
+    __slots__ = ("args", "check", "extra", "fn", "kwargs", "ran", "wrapper")
 
     def __init__(
         self,
         wrapper: nn.Module,
-        adapter: Adapter,
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        state: _Redirection | None,
-        extra: tuple[bool, tuple[nn.Module, ...], tuple[nn.Module, ...]] | None,
+        extra: tuple[Adapter, bool, tuple[nn.Module, ...], tuple[nn.Module, ...]] | None,
         check: Callable[[nn.Module, Any], None] | None,
     ) -> None:
         self.wrapper = wrapper
-        self.adapter = adapter
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
-        self.state = state  # the target's swap state, when the wrapper is not the target itself (FSDP2)
-        self.extra = extra  # (isolate, gather, nested units) for adapter.inside; None: nothing to enter
+        self.extra = extra  # (adapter, isolate, gather, nested units) for adapter.inside; None: nothing to enter
         self.check = check  # the adapter's result check, if it has one
         self.ran = False  # set when the wrapper's forward reached the loss: else the wrapper changed the token
 
-    def run(self) -> Any:
-        self.ran = True
-        wrapper, state = self.wrapper, self.state
-        if state is not None and wrapper.__dict__.get("forward") is not state.passthrough:
-            state.pass_through(wrapper)
-        routing = _thread.routing
-        routing.add(id(wrapper))  # a call of the wrapper from the loss is now a plain inner call (passthrough)
-        try:
-            if self.extra is None:  # DDP's every step: nothing to enter around the loss
-                result = self.fn(*self.args, **self.kwargs)
-            else:
-                isolate, gather, nested = self.extra
-                with self.adapter.inside(wrapper, isolate=isolate, gather=gather):
-                    if nested:  # a shard unit the loss reads from: enter its forward too
-                        rest = (isolate, gather, nested[1:])
-                        return _call_through(
-                            nested[0], self.adapter, None, None, self.fn, self.args, self.kwargs, rest, self.check
-                        )
-                    result = self.fn(*self.args, **self.kwargs)
-            if type(result) in _LAZY_RESULTS:
-                raise RouteTypeError(
-                    f"fn returned a {type(result).__name__}: its body has not run, so the loss would be "
-                    "computed later, outside the wrapper's forward. Pass a plain function that returns the "
-                    "loss (call the async/generator function yourself inside it)."
-                )
-            if self.check is not None:
-                self.check(wrapper, result)
-            return result
-        finally:
-            routing.discard(id(wrapper))
-
     def __repr__(self) -> str:  # shows up in wrapper error messages; keep it short
         return f"<wrapperroute call of {getattr(self.fn, '__qualname__', type(self.fn).__name__)}>"
+
+
+def _run_entered(call: _Call, kept: Callable[[], contextlib.AbstractContextManager[Any]] | None) -> Any:
+    """The loss inside what must be entered around it: the contexts of the target's own instance forward
+    (accelerate's autocast), and the adapter's (a gather, the functorch isolation, nested shard units)."""
+    with kept() if kept is not None else NOTHING:
+        if call.extra is None:
+            return call.fn(*call.args, **call.kwargs)
+        adapter, isolate, gather, nested = call.extra
+        with adapter.inside(call.wrapper, isolate=isolate, gather=gather):
+            if nested:  # a shard unit the loss reads from: enter its forward too
+                rest = (adapter, isolate, gather, nested[1:])
+                return _call_through(nested[0], adapter, None, None, call.fn, call.args, call.kwargs, rest, call.check)
+            return call.fn(*call.args, **call.kwargs)
+
+
+def _check_result(call: _Call, result: Any) -> None:
+    if type(result) in _LAZY_RESULTS:
+        raise RouteTypeError(
+            f"fn returned a {type(result).__name__}: its body has not run, so the loss would be "
+            "computed later, outside the wrapper's forward. Pass a plain function that returns the "
+            "loss (call the async/generator function yourself inside it)."
+        )
+    if call.check is not None:
+        call.check(call.wrapper, result)
 
 
 class _Redirection:
@@ -147,7 +137,7 @@ class _Redirection:
 
     __slots__ = (
         "count", "dispatch", "grad_calls", "kept", "kept_source", "last_wrapper", "lock", "passthrough", "saved",
-        "saved_wrapper", "wrapper",
+        "saved_wrapper", "target_id", "wrapper",
     )  # fmt: skip
 
     def __init__(self, target: nn.Module) -> None:
@@ -160,6 +150,7 @@ class _Redirection:
         self.wrapper: nn.Module | None = None  # while the passthrough is in
         self.saved_wrapper: object = _MISSING  # the wrapper's instance forward it replaced
         self.last_wrapper: weakref.ref[nn.Module] | None = None  # the wrapper it was last put on (weakly)
+        self.target_id = id(target)  # a wrapper that is its own target (FSDP2) gets no passthrough
         target_ref = weakref.ref(target)
         self.dispatch = _make_dispatch(target_ref, self)
         self.passthrough = _make_passthrough(target_ref, self)
@@ -174,16 +165,6 @@ class _Redirection:
             self.kept_source = weakref.ref(saved)
         except TypeError:  # not weakly referenceable: read it again next time
             self.kept_source = None
-
-    def pass_through(self, wrapper: nn.Module) -> None:
-        """Put the wrapper's passthrough in, from inside its forward (so our own call of the wrapper never goes
-        through it); the last call out restores it. Once per target: a second wrapper over the same module
-        (rare) keeps its own forward, as a second thread's call finds the passthrough already in."""
-        with self.lock:
-            if self.wrapper is None:
-                self.wrapper, self.saved_wrapper = wrapper, wrapper.__dict__.get("forward", _MISSING)
-                self.last_wrapper = weakref.ref(wrapper)
-                wrapper.__dict__["forward"] = self.passthrough
 
     def restore(self, target: nn.Module) -> None:
         """Put the original forwards back (under ``lock``, by the last call out)."""
@@ -211,18 +192,42 @@ def _redirection_for(target: nn.Module) -> _Redirection:
 
 def _make_dispatch(target_ref: weakref.ref[nn.Module], state: _Redirection) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if len(args) == 1 and not kwargs and type(args[0]) is _Call:
+        call = args[0] if args else None
+        if type(call) is not _Call or len(args) != 1 or kwargs:
+            # Another thread calling the model normally while a loss is routed: behave as the real forward. (A
+            # wrapper that changed our token lands here too; _call_through then says so.)
+            target = target_ref()
+            if target is None:  # unreachable while the module is being called; keeps the types honest
+                raise RouteStateError("the routed module was garbage-collected during its own forward")
+            return _original_forward(target, state.saved)(*args, **kwargs)
+        call.ran = True
+        wrapper = call.wrapper
+        if state.wrapper is None and id(wrapper) != state.target_id:
+            # The wrapper's passthrough goes in from inside its forward, so our own call of the wrapper never
+            # runs through it; the last call out restores it. One per target: a second wrapper over the same
+            # module (rare) keeps its own forward, as a second thread's call finds the passthrough in.
+            state.lock.acquire()
+            try:
+                if state.wrapper is None:
+                    state.wrapper, state.saved_wrapper = wrapper, wrapper.__dict__.get("forward", _MISSING)
+                    state.last_wrapper = weakref.ref(wrapper)
+                    wrapper.__dict__["forward"] = state.passthrough
+            finally:
+                state.lock.release()
+        routing = _thread.routing
+        key = id(wrapper)
+        routing.add(key)  # a call of the wrapper from the loss is now a plain inner call (passthrough)
+        try:
             kept = state.kept
-            if kept is None:
-                return args[0].run()
-            with kept():
-                return args[0].run()
-        # Another thread calling the model normally while a loss is routed: behave as the real forward. (A
-        # wrapper that changed our token lands here too; _call_through then says so.)
-        target = target_ref()
-        if target is None:  # unreachable while the module is being called; keeps the types honest
-            raise RouteStateError("the routed module was garbage-collected during its own forward")
-        return _original_forward(target, state.saved)(*args, **kwargs)
+            if kept is None and call.extra is None:  # DDP's every step: nothing to enter around the loss
+                result = call.fn(*call.args, **call.kwargs)
+            else:
+                result = _run_entered(call, kept)
+        finally:
+            routing.discard(key)
+        if call.check is not None or type(result) in _LAZY_RESULTS:
+            _check_result(call, result)
+        return result
 
     return forward
 
@@ -453,14 +458,17 @@ def route_loss(
             f"fn must be callable (the loss to run inside the wrapper), got {type(fn).__name__}; "
             "pass the function itself, not its result"
         )
-    if mode not in MODES:
+    if mode != "auto" and mode not in MODES:
         raise RouteValueError(f"mode must be one of {MODES}, got {mode!r}")
     if type(model) in plain_types and gather is None and (unwrapped is None or unwrapped is model):
         return fn(*args, **kwargs)  # a plain module, already seen by detect: nothing to route through
     plan = _plans.get(id(model))
-    if plan is None or not plan.current(model):
-        plan = _new_plan(model)
-    wrapper = plan.wrapper_ref()
+    # The step's common case: a plan for this model (dropped with it) whose class and wrapper are unchanged.
+    wrapper = plan.wrapper_ref() if plan is not None and plan.model_type is type(model) else None
+    if wrapper is None or plan is None:  # a first call, a changed model, or a model with no distributed wrapper
+        if plan is None or not plan.current(model):
+            plan = _new_plan(model)
+        wrapper = plan.wrapper_ref()
     if unwrapped is not None and unwrapped is not plan.inner_ref():
         plan.check_inside(model, unwrapped, "unwrapped")
     modules = () if gather is None else _as_gather(gather)
@@ -469,10 +477,11 @@ def route_loss(
     adapter, state = plan.adapter, plan.state
     if wrapper is None or adapter is None or state is None:
         return fn(*args, **kwargs)
-    if id(wrapper) in _thread.routing:
-        # Already inside this wrapper's forward: it is armed for this step; entering again would clobber it.
-        return fn(*args, **kwargs)
-    if adapter.in_forward(wrapper) and not state.count:
+    if state.count:  # calls of ours in flight on this target: is this thread's loss one of them?
+        if id(wrapper) in _thread.routing:
+            # Already inside this wrapper's forward: it is armed for this step; entering again would clobber it.
+            return fn(*args, **kwargs)
+    elif adapter.in_forward(wrapper):
         # This thread is inside the wrapper's own forward (fn routed from the model's forward): armed already,
         # so a plain call. (With calls of ours in flight, the flag may be another thread's: _call_through's
         # concurrency check decides.)
@@ -497,7 +506,7 @@ def route_loss(
         _agree(adapter, wrapper, None)
         return result
     isolate = mode == "isolate" or (bool(_isolated_losses) and mode == "auto" and _fallback_key(fn) in _isolated_losses)
-    extra = None if plan.plain and not (isolate or modules or nested) else (isolate, modules, nested)
+    extra = None if plan.plain and not (isolate or modules or nested) else (adapter, isolate, modules, nested)
     target = plan.target_ref()
     hooks_enabled = _saved_tensor_hooks_enabled()
     try:
@@ -520,7 +529,8 @@ def route_loss(
         getattr(fn, "__qualname__", type(fn).__name__),
     )
     try:
-        return _call_through(wrapper, adapter, target, state, fn, args, kwargs, (True, modules, nested), plan.check)
+        isolated = (adapter, True, modules, nested)
+        return _call_through(wrapper, adapter, target, state, fn, args, kwargs, isolated, plan.check)
     except BaseException:
         _recover(adapter, wrapper)
         raise
@@ -580,15 +590,17 @@ def _call_through(
     fn: Callable[..., T],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    extra: tuple[bool, tuple[nn.Module, ...], tuple[nn.Module, ...]] | None,
+    extra: tuple[Adapter, bool, tuple[nn.Module, ...], tuple[nn.Module, ...]] | None,
     check: Callable[[nn.Module, Any], None] | None,
 ) -> T:
     if target is None or state is None:  # a nested shard unit: looked up per call (FSDP1, not the hot path)
         target = adapter.redirect_target(wrapper)
         state = _redirection_for(target)
-    call = _Call(wrapper, adapter, fn, args, kwargs, state if target is not wrapper else None, extra, check)
+    call = _Call(wrapper, fn, args, kwargs, extra, check)
     grad = torch.is_grad_enabled()
-    with state.lock:
+    lock = state.lock
+    lock.acquire()  # not ``with``: on every step, and a with-statement costs twice as much here
+    try:
         if state.count:  # another thread is inside this wrapper's forward (one thread never gets here twice)
             reason = adapter.concurrency_error(wrapper, grad, state.grad_calls)
             if reason is not None:
@@ -600,13 +612,15 @@ def _call_through(
                 )
         else:  # the first call in: swap the target's forward for the dispatch
             saved = state.saved = target.__dict__.get("forward", _MISSING)
-            if saved is _MISSING:
-                state.kept = state.kept_source = None
-            else:
+            if saved is not _MISSING:
                 state.keep(target, saved)
+            elif state.kept is not None:
+                state.kept = state.kept_source = None
             target.__dict__["forward"] = state.dispatch
         state.count += 1
         state.grad_calls += grad
+    finally:
+        lock.release()
     try:
         result: T = wrapper(call)
     except BaseException as error:
@@ -617,11 +631,14 @@ def _call_through(
             )
         raise
     finally:
-        with state.lock:
+        lock.acquire()
+        try:
             state.count -= 1
             state.grad_calls -= grad
             if not state.count:
                 state.restore(target)
+        finally:
+            lock.release()
     if not call.ran:
         raise _token_lost(target)
     return result
