@@ -135,6 +135,11 @@ def format_table(r: dict[str, Any]) -> str:
             spread = ratio({**row, "ratio": row["ours_over_trl"]})
             name = f"DDP routing per call, ours / TRL, {label} params"
             lines.append(f"{name:<58} {spread:<26} {'<= 1':<10} {row['ours_us']:.1f} vs {row['trl_us']:.1f} us")
+            if "bare_over_trl" in row:
+                bare = {"ratio": row["bare_over_trl"], "ratio_p10": row["bare_p10"], "ratio_p90": row["bare_p90"]}
+                spread = ratio(bare)
+                name = f"  decomposition: bare swap, no checks / TRL, {label}"
+                lines.append(f"{name:<58} {spread:<26} {'-':<10} {row['bare_us']:.1f} vs TRL {row['trl_us']:.1f} us")
         else:
             lines.append(f"{'DDP routing per call, ' + label + ' params (us)':<58} {row['ours_us']:<26.1f}")
     if "fsdp2_lm_head_group" in r:

@@ -24,6 +24,8 @@ def test_quick_benchmark_runs(tmp_path: pathlib.Path) -> None:
     assert "error" in allocated or allocated["forward_native_mib"] > 0  # the harness counted something
     assert len(results["peak_rss"]["runs"]["routed"]) == 2
     assert "routed / native DDP step" in done.stdout
+    if "trl_us" in results["ddp_call_overhead"]["1e6"]:  # TRL installed: the decomposition row is measured too
+        assert results["ddp_call_overhead"]["1e6"]["bare_us"] > 0 and "bare swap" in done.stdout
 
 
 def test_instruction_count_workers_run() -> None:
