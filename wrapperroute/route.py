@@ -46,13 +46,6 @@ def _original_forward(module: nn.Module, saved: object) -> Callable[..., Any]:
     return saved if saved is not _MISSING else type(module).forward.__get__(module)  # type: ignore[return-value]
 
 
-def _restore_forward(module: nn.Module, saved: object) -> None:
-    if saved is _MISSING:
-        module.__dict__.pop("forward", None)
-    else:
-        module.__dict__["forward"] = saved
-
-
 # Results whose body has not run yet: a loss computed from them would run outside the wrapper's forward.
 _LAZY_RESULTS = frozenset({types.CoroutineType, types.GeneratorType, types.AsyncGeneratorType})
 
@@ -166,14 +159,6 @@ class _Redirection:
         except TypeError:  # not weakly referenceable: read it again next time
             self.kept_source = None
 
-    def restore(self, target: nn.Module) -> None:
-        """Put the original forwards back (under ``lock``, by the last call out)."""
-        _restore_forward(target, self.saved)
-        self.saved = _MISSING
-        if self.wrapper is not None:
-            _restore_forward(self.wrapper, self.saved_wrapper)
-            self.wrapper, self.saved_wrapper = None, _MISSING
-
 
 _redirections: dict[int, _Redirection] = {}
 _redirections_lock = threading.Lock()
@@ -206,18 +191,15 @@ def _make_dispatch(target_ref: weakref.ref[nn.Module], state: _Redirection) -> C
             # The wrapper's passthrough goes in from inside its forward, so our own call of the wrapper never
             # runs through it; the last call out restores it. One per target: a second wrapper over the same
             # module (rare) keeps its own forward, as a second thread's call finds the passthrough in.
-            state.lock.acquire()
-            try:
+            with state.lock:
                 if state.wrapper is None:
-                    state.wrapper, state.saved_wrapper = wrapper, wrapper.__dict__.get("forward", _MISSING)
                     state.last_wrapper = weakref.ref(wrapper)
+                    state.wrapper, state.saved_wrapper = wrapper, wrapper.__dict__.get("forward", _MISSING)
                     wrapper.__dict__["forward"] = state.passthrough
-            finally:
-                state.lock.release()
         routing = _thread.routing
         key = id(wrapper)
-        routing.add(key)  # a call of the wrapper from the loss is now a plain inner call (passthrough)
         try:
+            routing.add(key)  # a call of the wrapper from the loss is now a plain inner call (passthrough)
             kept = state.kept
             if kept is None and call.extra is None:  # DDP's every step: nothing to enter around the loss
                 result = call.fn(*call.args, **call.kwargs)
@@ -598,47 +580,60 @@ def _call_through(
         state = _redirection_for(target)
     call = _Call(wrapper, fn, args, kwargs, extra, check)
     grad = torch.is_grad_enabled()
-    lock = state.lock
-    lock.acquire()  # not ``with``: on every step, and a with-statement costs twice as much here
+    entered = False
+    # Ctrl-C (KeyboardInterrupt) can land wherever Python checks for signals: after any call returns, and on
+    # entering a Python function. The bookkeeping below is ordered so that no such point lies between a change
+    # of state and the cleanup that undoes it (``with``, not acquire(); ``entered`` set with no call since the
+    # swap; the restore inline, stores and deletes only). tests/test_route_interrupts.py interrupts every such point.
     try:
-        if state.count:  # another thread is inside this wrapper's forward (one thread never gets here twice)
-            reason = adapter.concurrency_error(wrapper, grad, state.grad_calls)
-            if reason is not None:
-                raise _RefusedError(
-                    f"another thread is running a routed forward through this {adapter.kind} wrapper right now, "
-                    f"and {reason}. Serialise the steps (one lock around route_loss and backward), route "
-                    "evaluation calls under torch.no_grad() (DDP), or use separate models on separate process "
-                    "groups."
-                )
-        else:  # the first call in: swap the target's forward for the dispatch
-            saved = state.saved = target.__dict__.get("forward", _MISSING)
-            if saved is not _MISSING:
-                state.keep(target, saved)
-            elif state.kept is not None:
-                state.kept = state.kept_source = None
-            target.__dict__["forward"] = state.dispatch
-        state.count += 1
-        state.grad_calls += grad
-    finally:
-        lock.release()
-    try:
+        with state.lock:
+            if state.count:  # another thread is inside this wrapper's forward (one thread never gets here twice)
+                reason = adapter.concurrency_error(wrapper, grad, state.grad_calls)
+                if reason is not None:
+                    raise _RefusedError(
+                        f"another thread is running a routed forward through this {adapter.kind} wrapper right "
+                        f"now, and {reason}. Serialise the steps (one lock around route_loss and backward), route "
+                        "evaluation calls under torch.no_grad() (DDP), or use separate models on separate process "
+                        "groups."
+                    )
+            else:  # the first call in: swap the target's forward for the dispatch
+                saved = state.saved = target.__dict__.get("forward", _MISSING)
+                if saved is not _MISSING:
+                    state.keep(target, saved)
+                elif state.kept is not None:
+                    state.kept = state.kept_source = None
+                target.__dict__["forward"] = state.dispatch
+            state.count += 1
+            state.grad_calls += grad
+            entered = True
         result: T = wrapper(call)
     except BaseException as error:
-        if not call.ran and hasattr(error, "add_note"):  # the wrapper's own error (or a mangled token): say so
+        if entered and not call.ran and hasattr(error, "add_note"):  # the wrapper's own error, or a mangled token
             error.add_note(
                 f"wrapperroute: raised by the {adapter.kind} wrapper before the loss ran (in its pre-forward, or "
                 f"because it did not pass wrapperroute's call token to {type(target).__name__}.forward unchanged)"
             )
         raise
     finally:
-        lock.acquire()
-        try:
-            state.count -= 1
-            state.grad_calls -= grad
-            if not state.count:
-                state.restore(target)
-        finally:
-            lock.release()
+        if entered:
+            with state.lock:
+                state.count -= 1
+                state.grad_calls -= grad
+                if not state.count:  # the last call out puts the original forwards back (written out: no call)
+                    forwards = target.__dict__
+                    if state.saved is not _MISSING:
+                        forwards["forward"] = state.saved
+                    elif "forward" in forwards:
+                        del forwards["forward"]
+                    state.saved = _MISSING
+                    passed = state.wrapper
+                    if passed is not None:
+                        forwards = passed.__dict__
+                        if state.saved_wrapper is not _MISSING:
+                            forwards["forward"] = state.saved_wrapper
+                        elif "forward" in forwards:
+                            del forwards["forward"]
+                        state.wrapper, state.saved_wrapper = None, _MISSING
     if not call.ran:
         raise _token_lost(target)
     return result
