@@ -6,7 +6,12 @@ through in wrapperroute's own code, raise KeyboardInterrupt at each one in turn 
 raises at exactly that instruction), and check after each: the interrupt reached the caller, no ``forward``
 attribute is left on the model or the wrapper, no lock is held, and the next routed step is exact.
 
-One process, one real gloo rank (DDP on a one-rank group): the state checked is per process.
+One process, one real gloo rank (DDP, FSDP1, FSDP2 on a one-rank group): the state checked is per process.
+The next step's gradients are compared for DDP only. FSDP's own state after an abandoned forward differs from
+a fresh step natively, routed or not (measured here: FSDP2, a no_grad forward then a step changes the root's
+gradients; FSDP1 with use_orig_params, a forward that raised leaves the root's original parameters without
+gradients for one step), so for FSDP the next step must run, and its exactness after a failed loss is the
+multi-rank fault tests' job (tests/test_reliability.py, flat-parameter gradients on 2 ranks).
 """
 
 from __future__ import annotations
@@ -72,26 +77,62 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 _MISSING = object()
-CASES = ["plain", "find_unused", "isolate", "loss_calls_wrapper", "instance_forward"]
+CASES = ["ddp", "ddp-find_unused", "ddp-isolate", "ddp-loss_calls_wrapper", "ddp-instance_forward", "fsdp1", "fsdp2"]
 
 
-def _build(case: str) -> tuple[nn.Module, DDP, Callable[[], torch.Tensor], dict[str, Any]]:
-    """A DDP model and a routed loss exercising one path of the routed call."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    if case == "instance_forward":  # what accelerate's mixed precision leaves: an instance forward to keep
-        model.forward = types.MethodType(type(model).forward, model)
-    ddp = DDP(model, find_unused_parameters=case == "find_unused")
-    x = torch.randn(3, 4)
-    if case == "loss_calls_wrapper":  # inside the loss, the wrapper is a plain call (its passthrough)
-        return model, ddp, lambda: ddp(x).square().sum(), {}
-    return model, ddp, lambda: model(x).square().sum(), {"mode": "isolate"} if case == "isolate" else {}
+class _Case:
+    """A wrapped model on the one-rank group and a routed loss exercising one path of the routed call."""
+
+    def __init__(self, name: str) -> None:
+        torch.manual_seed(0)
+        self.inner: nn.Module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.x = torch.randn(3, 4)
+        self.options: dict[str, Any] = {"mode": "isolate"} if name == "ddp-isolate" else {}
+        head = self.inner[2]
+        if name == "ddp-instance_forward":  # what accelerate's mixed precision leaves: an instance forward to keep
+            self.inner.forward = types.MethodType(type(self.inner).forward, self.inner)
+        if name.startswith("ddp"):
+            self.model: nn.Module = DDP(self.inner, find_unused_parameters=name == "ddp-find_unused")
+        elif name == "fsdp1":  # the head its own unit: the loss reads its weight through the nested unit
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            self.inner[2] = FSDP(head, device_id=torch.device("cpu"), use_orig_params=True)
+            self.model = FSDP(self.inner, device_id=torch.device("cpu"), use_orig_params=True)
+            self.inner = self.model.module
+        else:  # fsdp2: the root is the model; the head its own group, gathered for the loss
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (1,))
+            fully_shard(head, mesh=mesh)
+            self.model = fully_shard(self.inner, mesh=mesh)
+            self.options["gather"] = [head]
+        self.head = head
+        inner, x = self.inner, self.x
+        if name == "ddp-loss_calls_wrapper":  # inside the loss, the wrapper is a plain call (its passthrough)
+            self.loss = lambda: self.model(x).square().sum()
+        else:  # reads the head's weight directly, as a fused loss does
+            self.loss = lambda: (torch.tanh(inner[0](x)) @ head.weight.t() + head.bias).square().sum()
+
+    def step(self) -> Any:
+        return wr.route_loss(self.model, self.inner, self.loss, **self.options)
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        for p in self.model.parameters():
+            p.grad = None
+        self.step().backward()
+        return {name: p.grad.clone() for name, p in self.model.named_parameters() if p.grad is not None}
+
+    def forwards(self) -> list[object]:
+        """Every module's instance forward and, under FSDP2, its hook dicts: all must come back untouched."""
+        return [
+            value
+            for module in self.model.modules()
+            for value in (module.__dict__.get("forward", _MISSING), *(module.__dict__.get(n) for n in HOOK_DICTS))
+        ]
 
 
-def _routed_step(ddp: DDP, model: nn.Module, loss: Callable[[], torch.Tensor], options: dict[str, Any]) -> Any:
-    model.zero_grad(set_to_none=True)
-    wr.route_loss(ddp, model, loss, **options).backward()
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs")
 
 
 def _interrupt_at(point: int, step: Callable[[], Any]) -> tuple[bool, str]:
@@ -132,30 +173,30 @@ def _count_points(step: Callable[[], Any]) -> int:
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
 def test_interrupt_anywhere_leaves_no_state(one_rank: None, grad: bool, case: str) -> None:
-    model, ddp, loss, options = _build(case)
-    before = (model.__dict__.get("forward", _MISSING), ddp.__dict__.get("forward", _MISSING))
-    reference = _routed_step(ddp, model, loss, options)  # also plans the model: later calls take the step's path
+    wrapped = _Case(case)
+    reference = wrapped.grads()  # also plans the model: later calls take the step's own path
     assert reference and all(g.abs().sum() > 0 for g in reference.values())
+    before = wrapped.forwards()
 
     def step() -> Any:
         with torch.set_grad_enabled(grad):
-            return wr.route_loss(ddp, model, loss, **options)
+            return wrapped.step()
 
     points = _count_points(step)
     assert points > 30, points  # the tracer sees the routed call's own code
-    state = route_module._plans[id(ddp)].state
-    assert state is not None
+    states = route_module._redirections.values
+    assert not any(s.count or s.wrapper is not None for s in states())
     leftovers = []
     for point in range(1, points + 1):
         interrupted, where = _interrupt_at(point, step)
+        now = wrapped.forwards()
         left = [
             what
             for what, bad in (
                 ("the interrupt was swallowed", not interrupted),
-                ("model.forward not put back", model.__dict__.get("forward", _MISSING) is not before[0]),
-                ("ddp.forward not put back", ddp.__dict__.get("forward", _MISSING) is not before[1]),
-                ("lock held", state.lock.locked()),
-                ("a call still counted in flight", state.count != 0 or state.grad_calls != 0),
+                ("a forward or hook dict not put back", any(a is not b for a, b in zip(now, before, strict=True))),
+                ("a lock held", any(s.lock.locked() for s in states())),
+                ("a call still counted in flight", any(s.count or s.grad_calls for s in states())),
                 ("this thread still marked as routing", bool(route_module._thread.routing)),
             )
             if bad
@@ -163,8 +204,10 @@ def test_interrupt_anywhere_leaves_no_state(one_rank: None, grad: bool, case: st
         if left:
             leftovers.append((point, where, left))
             break  # the state is broken: later points would only repeat it
-        after = _routed_step(ddp, model, loss, options)
-        if after.keys() != reference.keys() or any(not torch.equal(after[k], reference[k]) for k in reference):
+        after = wrapped.grads()  # runs: a broken wrapper state raises here
+        if case.startswith("ddp") and (
+            after.keys() != reference.keys() or any(not torch.equal(after[k], reference[k]) for k in reference)
+        ):
             leftovers.append((point, where, ["the next routed step's gradients differ"]))
             break
     assert not leftovers, leftovers

@@ -30,6 +30,16 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
 _auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = weakref.WeakKeyDictionary()
 
 
+# Hook dicts set aside while a loss runs, until put back (by the loss's exit, or by recover() after a fault).
+_set_aside: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _put_hooks_back(wrapper: nn.Module, saved: dict[str, Any]) -> None:
+    if _set_aside.get(wrapper) is saved:  # not already put back (and not another step's, set aside since)
+        wrapper.__dict__.update(saved)
+        del _set_aside[wrapper]
+
+
 def _is_unit(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
@@ -52,6 +62,10 @@ class FSDP2Adapter(Adapter):
         return {"nested_groups": sum(1 for m in wrapper.modules() if _is_unit(m)) - 1}
 
     def recover(self, wrapper: nn.Module) -> None:
+        for unit in wrapper.modules():  # the root, or a nested group whose forward the loss was routed through
+            saved = _set_aside.get(unit)
+            if saved is not None:
+                _put_hooks_back(unit, saved)
         # FSDP2's documented recovery after a forward that raised (torch >= 2.13): reshard every group and
         # clear the iteration's trackers; otherwise the root stays in FORWARD with iter_forward_root set.
         reset = getattr(wrapper, "reset_iter_state", None)
@@ -73,12 +87,14 @@ class FSDP2Adapter(Adapter):
 
     @contextlib.contextmanager
     def inside(self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]) -> Iterator[None]:
-        # Set FSDP's hooks aside (not cleared in place: the dicts are FSDP's own objects).
-        saved = {name: getattr(wrapper, name) for name in _HOOK_DICTS}
-        for name, hooks in saved.items():
-            setattr(wrapper, name, type(hooks)())
+        # Set FSDP's hooks aside (not cleared in place: the dicts are FSDP's own objects). All four in one
+        # dict update each way, and recorded for recover(): a Ctrl-C landing between two Python calls (even in
+        # contextlib's own frames, leaving this generator suspended) must not leave the unit without hooks.
+        attributes = wrapper.__dict__
+        saved = {name: attributes[name] for name in _HOOK_DICTS}
+        _set_aside[wrapper] = saved
         try:
+            attributes.update({name: type(hooks)() for name, hooks in saved.items()})
             yield
         finally:
-            for name, hooks in saved.items():
-                setattr(wrapper, name, hooks)
+            _put_hooks_back(wrapper, saved)
