@@ -117,6 +117,36 @@ def fault_then_exact(wrapper: str, opts: dict[str, Any], interrupt: bool = False
     return {"raised": raised, "before": before, "after": after, "steps": steps, "end": snapshot(wrapped)}
 
 
+def interrupt_anywhere(wrapper: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """KeyboardInterrupt at every point of a routed fused-CE call where CPython could raise one, every rank at
+    the same point (tests/interrupt_points.py), the call under no_grad (an evaluation step: a training forward
+    interrupted after it returned is an abandoned forward, whose aftermath is the wrapper's own). After each:
+    the wrapper's between-steps state, and the next training step is exact."""
+    from interrupt_points import count_points, interrupt_at
+
+    wrapped, reference = build(wrapper, opts)
+    case = LOSSES["fused_ce"]
+    batch = make_batch(case, CONFIG, dist.get_rank(), 0, 0)
+    steps = [truth_step(wrapped, reference, 0)]  # plans the model: later calls take the step's own path
+    before = snapshot(wrapped)
+
+    def call() -> Any:
+        with torch.no_grad():
+            return route_loss(wrapped.model, wrapped.inner, case.compute, wrapped.inner, batch, {})
+
+    points = count_points(call)
+    broken = []
+    for point in range(1, points + 1):
+        interrupted, where = interrupt_at(point, call)
+        after = snapshot(wrapped)
+        if not interrupted or after != before:
+            changed = {key: value for key, value in after.items() if before.get(key) != value}
+            broken.append({"point": point, "where": where, "interrupted": interrupted, "changed": changed})
+            break
+        steps.append(truth_step(wrapped, reference, point))
+    return {"points": points, "broken": broken, "before": before, "steps": steps}
+
+
 # --- one rank fails -----------------------------------------------------------------------------------------
 
 

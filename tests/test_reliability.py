@@ -191,6 +191,26 @@ def test_keyboard_interrupt_in_fn(pool: RankPool, wrapper: str, opts: dict[str, 
             _exact(step)
 
 
+INTERRUPTED = [
+    pytest.param("ddp", {}, id="ddp"),
+    pytest.param("ddp", {"find_unused_parameters": True}, id="ddp-find_unused"),
+    pytest.param("fsdp1", {"lm_head_unit": True}, id="fsdp1-lm_head_unit"),
+    pytest.param("fsdp2", {"groups": "layers"}, id="fsdp2-layers"),
+    pytest.param("zero3", ZERO3, id="zero3", marks=NEEDS_DS),
+]
+
+
+@pytest.mark.parametrize(("wrapper", "opts"), INTERRUPTED)
+def test_keyboard_interrupt_anywhere(pool: RankPool, wrapper: str, opts: dict[str, Any]) -> None:
+    """Ctrl-C at each point of a routed call where Python could raise it, on both ranks: nothing left behind,
+    and the next step exact (one-rank version with training calls: tests/test_route_interrupts.py)."""
+    for rank in pool.run(rr.interrupt_anywhere, wrapper, opts, timeout=600):
+        assert rank["points"] > 30 and not rank["broken"], rank["broken"]
+        assert len(rank["steps"]) == rank["points"] + 1
+        for step in rank["steps"]:
+            _exact(step)
+
+
 AGREE = [
     pytest.param("ddp", {}, id="ddp"),
     pytest.param("fsdp1", {"lm_head_unit": True}, id="fsdp1"),

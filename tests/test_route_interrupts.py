@@ -1,10 +1,9 @@
 """Ctrl-C anywhere in a routed call leaves no state behind (a notebook user interrupts a step and trains on).
 
-CPython raises a pending KeyboardInterrupt only where it checks for signals: on entering a Python function and
-after a call returns (or a loop jumps back). These tests find every such point that a routed DDP call passes
-through in wrapperroute's own code, raise KeyboardInterrupt at each one in turn (from a trace function, which
-raises at exactly that instruction), and check after each: the interrupt reached the caller, no ``forward``
-attribute is left on the model or the wrapper, no lock is held, and the next routed step is exact.
+Every point of a routed call where CPython could raise a pending KeyboardInterrupt (tests/interrupt_points.py)
+is interrupted in turn; after each: the interrupt reached the caller, no ``forward`` attribute or hook dict is
+left changed on any module, no lock is held, no call counted in flight, and the next routed step runs (and,
+for DDP, is exact). The same on 2 ranks for every wrapper, judged by gradient truth: tests/test_reliability.py.
 
 One process, one real gloo rank (DDP, FSDP1, FSDP2 on a one-rank group): the state checked is per process.
 The next step's gradients are compared for DDP only. FSDP's own state after an abandoned forward differs from
@@ -16,54 +15,19 @@ multi-rank fault tests' job (tests/test_reliability.py, flat-parameter gradients
 
 from __future__ import annotations
 
-import dis
-import inspect
-import pathlib
-import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from interrupt_points import count_points, interrupt_at
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import wrapperroute as wr
 from wrapperroute import route as route_module
-
-PACKAGE = str(pathlib.Path(wr.__file__).parent)
-# Instructions after which CPython checks for signals (3.10-3.13 names); a function's entry is the other point.
-SIGNAL_CHECKED_AFTER = frozenset(
-    name for name in dis.opmap if name.startswith("CALL") or name in ("JUMP_BACKWARD", "JUMP_ABSOLUTE")
-)
-
-# A generator's "call" event also fires when it is closed (no signal check there, and an exception raised
-# then is only printed): its resumptions are left out, the points after calls inside it are kept.
-RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
-
-
-def _points_tracer(on_point: Callable[[types.FrameType], None]) -> Callable[..., Any]:
-    """A trace function calling ``on_point(frame)`` at every signal-check point inside wrapperroute's code."""
-    previous: dict[int, str] = {}
-
-    def trace(frame: types.FrameType, event: str, arg: Any) -> Any:
-        if not frame.f_code.co_filename.startswith(PACKAGE):
-            return None  # not ours: neither traced nor interrupted (the loss and torch run untouched)
-        frame.f_trace_opcodes = True
-        if event == "call" and not frame.f_code.co_flags & RESUMABLE:
-            on_point(frame)
-        elif event == "opcode":
-            name = dis.opname[frame.f_code.co_code[frame.f_lasti]]
-            if previous.get(id(frame)) in SIGNAL_CHECKED_AFTER:
-                on_point(frame)
-            previous[id(frame)] = name
-        elif event == "return":
-            previous.pop(id(frame), None)
-        return trace
-
-    return trace
 
 
 @pytest.fixture(scope="module")
@@ -135,41 +99,6 @@ class _Case:
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs")
 
 
-def _interrupt_at(point: int, step: Callable[[], Any]) -> tuple[bool, str]:
-    """Run ``step`` with KeyboardInterrupt raised at signal-check point number ``point`` (1-based)."""
-    seen = [0]
-    where = ["(no point reached)"]
-
-    def on_point(frame: types.FrameType) -> None:
-        seen[0] += 1
-        if seen[0] == point:
-            where[0] = f"{frame.f_code.co_name}:{frame.f_lineno}"
-            raise KeyboardInterrupt(f"injected at {where[0]}")
-
-    sys.settrace(_points_tracer(on_point))
-    try:
-        step()
-    except KeyboardInterrupt:
-        return True, where[0]
-    finally:
-        sys.settrace(None)
-    return False, where[0]
-
-
-def _count_points(step: Callable[[], Any]) -> int:
-    seen = [0]
-
-    def on_point(frame: types.FrameType) -> None:
-        seen[0] += 1
-
-    sys.settrace(_points_tracer(on_point))
-    try:
-        step()
-    finally:
-        sys.settrace(None)
-    return seen[0]
-
-
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
 def test_interrupt_anywhere_leaves_no_state(one_rank: None, grad: bool, case: str) -> None:
@@ -182,13 +111,13 @@ def test_interrupt_anywhere_leaves_no_state(one_rank: None, grad: bool, case: st
         with torch.set_grad_enabled(grad):
             return wrapped.step()
 
-    points = _count_points(step)
+    points = count_points(step)
     assert points > 30, points  # the tracer sees the routed call's own code
     states = route_module._redirections.values
     assert not any(s.count or s.wrapper is not None for s in states())
     leftovers = []
     for point in range(1, points + 1):
-        interrupted, where = _interrupt_at(point, step)
+        interrupted, where = interrupt_at(point, step)
         now = wrapped.forwards()
         left = [
             what

@@ -17,7 +17,8 @@ once. Without it the in-forward attribute getter gathers each weight lazily on f
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from deepspeed import DeepSpeedEngine
@@ -70,11 +71,15 @@ class DeepSpeedAdapter(Adapter):
     def recover(self, wrapper: nn.Module) -> None:
         # ZeRO-3: the failed forward skipped the engine's epilogue, so every module still says "in forward" (the
         # next step would be taken for a nested call) and the parameters it gathered stay whole. Run the
-        # epilogue and release them (partitioning is local: no collective). ZeRO 0-2 keep no forward state.
+        # epilogue, then release every gathered parameter (partitioning is local: no collective), whether or not
+        # the flag is still set: a fault inside the engine's own hooks can clear it and leave a parameter
+        # gathered and held by a module that never finished. ZeRO 0-2 keep no forward state.
         engine: DeepSpeedEngine = wrapper
-        if _stage(engine) != 3 or not self.in_forward(engine):
+        _drop_kept_epilogue(engine)  # still in when an interrupt left _keep_in_forward suspended: it must not run
+        if _stage(engine) != 3:
             return
-        engine._forward_epilogue()
+        if self.in_forward(engine):
+            engine._forward_epilogue()
         engine.empty_partition_cache()
 
     def concurrency_error(self, wrapper: nn.Module, grad: bool, grad_calls: int) -> str | None:
@@ -108,12 +113,27 @@ def _keep_in_forward(engine: DeepSpeedEngine) -> Iterator[None]:
             if isinstance(module._parameters, ZeROOrderedDict):
                 module._parameters._in_forward = True
 
+    _kept_epilogues[engine] = epilogue
     engine.__dict__["_forward_epilogue"] = epilogue  # the hook looks it up on the instance at each call
     try:
         yield
     finally:
-        if engine.__dict__.get("_forward_epilogue") is epilogue:
-            del engine.__dict__["_forward_epilogue"]
+        _drop_kept_epilogue(engine, epilogue)
+
+
+# The epilogue _keep_in_forward put on each engine, until taken off (by its exit, or by recover() after a fault).
+_kept_epilogues: weakref.WeakKeyDictionary[DeepSpeedEngine, Callable[[], None]] = weakref.WeakKeyDictionary()
+
+
+def _drop_kept_epilogue(engine: DeepSpeedEngine, epilogue: Callable[[], None] | None = None) -> None:
+    """Take the kept epilogue off (``epilogue``: only that one; a generator closed late must not take off a
+    later step's)."""
+    kept = _kept_epilogues.get(engine)
+    if kept is None or (epilogue is not None and kept is not epilogue):
+        return
+    if engine.__dict__.get("_forward_epilogue") is kept:
+        del engine.__dict__["_forward_epilogue"]
+    del _kept_epilogues[engine]  # last: until the epilogue is off, recover() must still find it
 
 
 @contextlib.contextmanager
