@@ -1,6 +1,6 @@
 """Instructions per routed DDP call, ours vs TRL's ``_ForwardRedirection``, counted by valgrind's cachegrind.
 
-    python3 benchmarks/instructions.py      # ~20 minutes on one core: four runs under valgrind
+    python3 benchmarks/instructions.py      # ~10 minutes on one core: four runs under valgrind
 
 Wall time per call (``run.py``) is noisy and, on some machines, not proportional to the work done; an
 instruction count is exact and repeatable. Each path runs ``LOW`` and ``HIGH`` calls in its own process under
@@ -22,11 +22,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import types
+from typing import Any
 
-LOW, HIGH = 200, 2200
+LOW, HIGH = 200, 10_200
 
 
-def worker(path: str, calls: int) -> None:
+def worker(path: str, calls: int, bytecodes: bool = False) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29_000 + os.getpid() % 1000))
     import torch
@@ -53,9 +55,29 @@ def worker(path: str, calls: int) -> None:
     with torch.no_grad():
         for _ in range(calls):
             result = call()
+        if bytecodes:
+            print(f"bytecodes: {_bytecodes(call)}")
     assert calls == 0 or result is x, "the trivial loss's result did not come back through DDP"
     dist.destroy_process_group()
     print(f"{path}: {calls} calls")
+
+
+def _bytecodes(call: Any) -> int:
+    """Python bytecodes one call executes, every frame counted (DDP's forward and torch's included)."""
+    count = 0
+
+    def trace(frame: types.FrameType, event: str, arg: Any) -> Any:
+        nonlocal count
+        frame.f_trace_opcodes = True
+        count += event == "opcode"
+        return trace
+
+    sys.settrace(trace)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+    return count
 
 
 def instructions(path: str, calls: int, folder: pathlib.Path) -> int:
@@ -64,20 +86,35 @@ def instructions(path: str, calls: int, folder: pathlib.Path) -> int:
         "valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}",
         sys.executable, __file__, "--worker", path, str(calls),
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    # Start-up differs by a few million instructions between runs (and by far more when threads spin-wait on a
+    # busy machine): one intra-op thread, fixed hashing, and 10,000 calls between the two counts keep that
+    # under a few hundred instructions per call. Run it on an otherwise idle machine.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     found = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
     if found is None:
         raise RuntimeError(f"no instruction count in valgrind's output:\n{done.stderr[-2000:]}")
     return int(found.group(1).replace(",", ""))
 
 
+def bytecodes(path: str) -> int:
+    """Python bytecodes per call (no valgrind): the interpreter's dispatch, which wall time follows."""
+    command = [sys.executable, __file__, "--worker", path, "50", "--bytecodes"]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    found = re.search(r"bytecodes: (\d+)", done.stdout)
+    if found is None:
+        raise RuntimeError(f"no bytecode count in the worker's output:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return int(found.group(1))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", nargs=2, metavar=("PATH", "CALLS"), help=argparse.SUPPRESS)
+    parser.add_argument("--bytecodes", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "instructions.json"))
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker[0], int(args.worker[1]))
+        worker(args.worker[0], int(args.worker[1]), args.bytecodes)
         return 0
     if shutil.which("valgrind") is None:
         print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
@@ -87,10 +124,12 @@ def main() -> int:
         for path in ("ours", "trl"):
             low, high = (instructions(path, n, pathlib.Path(folder)) for n in (LOW, HIGH))
             result[f"{path}_instructions_per_call"] = (high - low) / (HIGH - LOW)
+            result[f"{path}_bytecodes_per_call"] = bytecodes(path)
     result["ours_over_trl"] = result["ours_instructions_per_call"] / result["trl_instructions_per_call"]
+    result["bytecodes_ours_over_trl"] = result["ours_bytecodes_per_call"] / result["trl_bytecodes_per_call"]
     pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     for key, value in result.items():
-        print(f"{key:<32} {value:,.3f}" if key == "ours_over_trl" else f"{key:<32} {value:,.0f}")
+        print(f"{key:<32} {value:,.3f}" if "over" in key else f"{key:<32} {value:,.0f}")
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -29,11 +30,13 @@ def test_quick_benchmark_runs(tmp_path: pathlib.Path) -> None:
 
 
 def test_instruction_count_workers_run() -> None:
-    """benchmarks/instructions.py counts under valgrind (20 minutes: not here); its two workers must run."""
+    """benchmarks/instructions.py counts under valgrind (10 minutes: not here); its two workers must run."""
     paths = ["ours"] + (["trl"] if importlib.util.find_spec("trl") is not None else [])
     for path in paths:
         done = subprocess.run(
-            [sys.executable, str(BENCH / "instructions.py"), "--worker", path, "3"],
+            [sys.executable, str(BENCH / "instructions.py"), "--worker", path, "3", "--bytecodes"],
             capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
         assert done.returncode == 0 and f"{path}: 3 calls" in done.stdout, (path, done.stderr[-3000:])
+        found = re.search(r"bytecodes: (\d+)", done.stdout)
+        assert found is not None and int(found.group(1)) > 100, done.stdout  # DDP's forward alone is hundreds
