@@ -34,10 +34,14 @@ _auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], 
 _set_aside: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
-def _put_hooks_back(wrapper: nn.Module, saved: dict[str, Any]) -> None:
-    if _set_aside.get(wrapper) is saved:  # not already put back (and not another step's, set aside since)
-        wrapper.__dict__.update(saved)
-        del _set_aside[wrapper]
+def _put_hooks_back(unit: nn.Module, saved: dict[str, Any] | None = None) -> None:
+    """Put back the unit's hooks still set aside (``saved``: only those; a generator closed late must not put
+    back over a later step's)."""
+    aside = _set_aside.get(unit)
+    if aside is None or (saved is not None and aside is not saved):
+        return
+    unit.__dict__.update(aside)
+    del _set_aside[unit]  # last: until the hooks are back, recover() must still find them
 
 
 def _is_unit(module: nn.Module) -> bool:
@@ -63,9 +67,7 @@ class FSDP2Adapter(Adapter):
 
     def recover(self, wrapper: nn.Module) -> None:
         for unit in wrapper.modules():  # the root, or a nested group whose forward the loss was routed through
-            saved = _set_aside.get(unit)
-            if saved is not None:
-                _put_hooks_back(unit, saved)
+            _put_hooks_back(unit)
         # FSDP2's documented recovery after a forward that raised (torch >= 2.13): reshard every group and
         # clear the iteration's trackers; otherwise the root stays in FORWARD with iter_forward_root set.
         reset = getattr(wrapper, "reset_iter_state", None)
