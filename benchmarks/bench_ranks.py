@@ -220,7 +220,7 @@ def call_overhead(reps: int) -> dict[str, Any]:
         model, their_model = build_model(config), build_model(config)
         ddp, their_ddp = DDP(model), DDP(their_model)
         ours = _repeated(functools.partial(route_loss, ddp, model, trivial, x), CALLS)
-        trl = _repeated(functools.partial(theirs, their_ddp, their_model, trivial, x), CALLS)
+        trl = _repeated(functools.partial(theirs, their_ddp, their_model, trivial, x), CALLS) if theirs else None
         with torch.no_grad():
             row: dict[str, Any] = {"params": sum(p.numel() for p in model.parameters())}
             if theirs is not None:
@@ -365,7 +365,9 @@ def _routed_versus(
 def _full_tensor_loss(wrapped: Any, batch: dict[str, torch.Tensor]) -> None:
     """TRL's choice under FSDP2: the root forward runs, lm_head's weight is gathered by a differentiable
     ``full_tensor()`` (its own group's forward never runs)."""
-    from torch.distributed.tensor import DTensor
+    from wrapperroute.check.wrap_fsdp import fsdp2_api
+
+    DTensor = fsdp2_api().DTensor
 
     hidden = wrapped.model(batch["input_ids"])
     weight = wrapped.model.lm_head.weight

@@ -190,6 +190,11 @@ def stale_ddp_marker() -> dict[str, Any]:
 
     DDP(LetsAFinish(1, 1))(torch.ones(1, 1)).backward()
     stale = DDP._active_ddp_module is held
+    if DDP._active_ddp_module is None and not stale:
+        # torch < 2.5 resets the marker to None instead of restoring it, so threads cannot leave it stale there;
+        # set it as newer torch leaves it, so what route_loss does with a stale marker is checked on every torch.
+        DDP._active_ddp_module = held
+        stale = True
     held.zero_grad()
     model: TinyCausalLM = held.module.inner  # type: ignore[assignment]
     entered = []

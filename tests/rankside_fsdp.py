@@ -31,7 +31,9 @@ def shards_after_step(wrapper: str, opts: dict[str, Any]) -> dict[str, Any]:
     world = dist.get_world_size()
     facts: dict[str, Any] = {}
     if wrapper == "fsdp2":
-        from torch.distributed.tensor import DTensor
+        from wrapperroute.check.wrap_fsdp import fsdp2_api
+
+        DTensor = fsdp2_api().DTensor
 
         for name, p in wrapped.model.named_parameters():
             local = p.to_local() if isinstance(p, DTensor) else p

@@ -61,7 +61,9 @@ def _sharded(kind: str, wrapper: nn.Module) -> bool:
         # before the first forward (lazy init) the flat parameter is its own shard
         return all(not hasattr(f, "_local_shard") or f.data_ptr() == f._local_shard.data_ptr() for f in flats)
     if kind == "fsdp2":
-        from torch.distributed.tensor import DTensor
+        from wrapperroute.check.wrap_fsdp import fsdp2_api
+
+        DTensor = fsdp2_api().DTensor
 
         return all(isinstance(p, DTensor) for p in wrapper.parameters())
     if kind == "deepspeed" and wrapper.zero_optimization_stage() == 3:
@@ -693,7 +695,10 @@ def edge_cases() -> dict[str, Any]:
       that loss ended;
     - a model first routed through a torch.compile layer with no wrapper, then fully_shard-ed."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    from wrapperroute.check.wrap_fsdp import fsdp2_api
+
+    fully_shard = fsdp2_api().fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     x = torch.randn(2, 4)

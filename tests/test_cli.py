@@ -47,3 +47,41 @@ def test_bad_input_one_line(args: tuple[str, ...], words: str) -> None:
 def test_env_lists_versions() -> None:
     done = _cli("env", timeout=60)
     assert done.returncode == 0 and "torch" in done.stdout and "wrappers" in done.stdout
+
+
+def test_cell_that_fails_outside_its_own_try_shows_the_ranks_exception() -> None:
+    # A cell whose build raised on the ranks (seen: torch 2.4 has no torch.distributed.tensor.DTensor) reached
+    # the table as "run_cell failed on rank(s) [0, 1]:", hiding the cause. The row now carries the exception.
+    from wrapperroute.cli import _failed_row, format_table
+    from wrapperroute.ranks import RankFailure
+
+    trace = (
+        'Traceback (most recent call last):\n  File "wrap_fsdp.py", line 67, in build_fsdp2\n'
+        "ImportError: cannot import name 'DTensor' from 'torch.distributed.tensor'\n"
+    )
+    failure = RankFailure(f"run_cell failed on rank(s) [0, 1]:\n--- rank 0:\n{trace}", {0: trace, 1: trace})
+    row = _failed_row("fsdp2", "fused_ce", True, failure)
+    assert row["verdict"] == "FAIL" and row["error"].startswith("ImportError: cannot import name 'DTensor'"), row
+    assert "ImportError" in format_table([row])
+    hung = RankFailure("run_cell failed on rank(s) [1]", {1: "no answer within 300s"})
+    hung_row = _failed_row("ddp", "fused_ce", False, hung)
+    assert hung_row["verdict"] == "crashes" and hung_row["error"] == "no answer within 300s", hung_row
+
+
+def test_defaults_this_torch_cannot_check_are_named_not_dropped() -> None:
+    # FSDP2 on CPU ranks fails or gives wrong gradients natively before torch 2.9 (see WRAPPERS["fsdp2"]):
+    # `check` leaves such a default out and says why; asked for by name, it is a usage error with the reason.
+    import torch
+
+    from wrapperroute.check.wrappers import WRAPPERS, WrapperCase
+    from wrapperroute.cli import UsageError, _names, _skipped
+
+    future = WrapperCase("future", "wrapperroute.check.wrappers:build_ddp", cpu_torch=((99, 0), "not yet"))
+    known = {"ddp": WRAPPERS["ddp"], "future": future}
+    assert _names(None, known, ("ddp", "future"), "wrapper") == ["ddp"]
+    assert _skipped(known, ("ddp", "future"), "wrapper") == [
+        f"wrapperroute: skipping wrapper 'future': it needs torch >= 99.0 on CPU ranks, this is {torch.__version__}: "
+        "not yet"
+    ]
+    with pytest.raises(UsageError, match=r"wrapper 'future' needs torch >= 99\.0 on CPU ranks.*not yet"):
+        _names("ddp,future", known, ("ddp",), "wrapper")

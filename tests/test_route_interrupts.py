@@ -65,7 +65,10 @@ class _Case:
             self.inner = self.model.module
         else:  # fsdp2: the root is the model; the head its own group, gathered for the loss
             from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
+
+            from wrapperroute.check.wrap_fsdp import fsdp2_api
+
+            fully_shard = fsdp2_api().fully_shard
 
             mesh = init_device_mesh("cpu", (1,))
             fully_shard(head, mesh=mesh)

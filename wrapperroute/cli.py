@@ -29,6 +29,15 @@ class UsageError(Exception):
     pass
 
 
+def _skipped(known: dict[str, Any], default: tuple[str, ...], what: str) -> list[str]:
+    """Why each default this machine cannot run is left out: said, so none is left out silently."""
+    return [
+        f"wrapperroute: skipping {what} {name!r}: it {reason}"
+        for name in default
+        if (reason := known[name].unavailable()) is not None
+    ]
+
+
 def _names(value: str | None, known: dict[str, Any], default: tuple[str, ...], what: str) -> list[str]:
     if value is None:
         return [n for n in default if known[n].available()]
@@ -37,8 +46,9 @@ def _names(value: str | None, known: dict[str, Any], default: tuple[str, ...], w
         if name not in known or name == "none":
             choices = ", ".join(n for n in known if n != "none")
             raise UsageError(f"unknown {what} {name!r}; choose from: {choices}")
-        if not known[name].available():
-            raise UsageError(f"{what} {name!r} needs the package {known[name].requires!r}, which is not installed")
+        reason = known[name].unavailable()
+        if reason is not None:
+            raise UsageError(f"{what} {name!r} {reason}")
     if not names:
         raise UsageError(f"--{what}s needs at least one name")
     return names
@@ -81,6 +91,18 @@ def _row(wrapper: str, loss: str, routed: bool, ranks: list[dict[str, Any]]) -> 
     }
 
 
+def _failed_row(wrapper: str, loss: str, routed: bool, error: Exception) -> dict[str, Any]:
+    """A cell whose ranks did not report: a RankFailure carries each rank's traceback, so the row shows the
+    first failed rank's exception (its summary line names only the ranks)."""
+    errors: dict[int, str] = getattr(error, "errors", None) or {0: str(error)}
+    return {
+        "wrapper": wrapper, "loss": loss, "routed": routed, "params": 0, "differ": 0,
+        "max_rank_diff": 0.0, "max_ref_diff": 0.0, "fell_back": False,
+        "error": _last_error_line(errors[min(errors)]), "verdict": "FAIL" if routed else "crashes",
+        "seconds": 0.0,
+    }  # fmt: skip
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     header = f"{'wrapper':<8} {'loss':<10} {'path':<9} {'params differing':>16} {'max abs diff':>12} "
     header += f"{'vs reference':>12}  verdict"
@@ -112,6 +134,10 @@ def check(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc must be at least 2 to compare ranks, got {args.nproc}")
     wrappers = _names(args.wrappers, WRAPPERS, DEFAULT_WRAPPERS, "wrapper")
     losses = _names(args.losses, LOSSES, DEFAULT_LOSSES, "loss")
+    skipped = _skipped(WRAPPERS, DEFAULT_WRAPPERS, "wrapper") if args.wrappers is None else []
+    skipped += _skipped(LOSSES, DEFAULT_LOSSES, "loss") if args.losses is None else []
+    for line in skipped:
+        print(line, file=sys.stderr)
     from .ranks import RankPool
 
     cells = [(w, loss, routed) for w in wrappers for loss in losses for routed in (False, True)]
@@ -126,13 +152,8 @@ def check(args: argparse.Namespace) -> int:
             try:
                 ranks = pool.run(run_cell, cell, timeout=args.timeout)
                 row = _row(wrapper, loss, routed, ranks)
-            except Exception as error:  # a rank died or hung: report the cell, keep going
-                row = {
-                    "wrapper": wrapper, "loss": loss, "routed": routed, "params": 0, "differ": 0,
-                    "max_rank_diff": 0.0, "max_ref_diff": 0.0, "fell_back": False,
-                    "error": str(error).strip().splitlines()[0], "verdict": "FAIL" if routed else "crashes",
-                    "seconds": 0.0,
-                }  # fmt: skip
+            except Exception as error:  # a rank raised outside the cell, died or hung: report it, keep going
+                row = _failed_row(wrapper, loss, routed, error)
             rows.append(row)
             print(f" {row['verdict']} ({row['seconds']}s)", file=progress, flush=True)
     elapsed = time.perf_counter() - start

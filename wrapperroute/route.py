@@ -608,10 +608,11 @@ def _call_through(
             entered = True
         result: T = wrapper(call)
     except BaseException as error:
-        if entered and not call.ran and hasattr(error, "add_note"):  # the wrapper's own error, or a mangled token
-            error.add_note(
+        if entered and not call.ran:  # the wrapper's own error, or a mangled token
+            _add_note(
+                error,
                 f"wrapperroute: raised by the {adapter.kind} wrapper before the loss ran (in its pre-forward, or "
-                f"because it did not pass wrapperroute's call token to {type(target).__name__}.forward unchanged)"
+                f"because it did not pass wrapperroute's call token to {type(target).__name__}.forward unchanged)",
             )
         raise
     finally:
@@ -637,6 +638,17 @@ def _call_through(
     if not call.ran:
         raise _token_lost(target)
     return result
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    """PEP 678's note; on Python 3.10 (no ``add_note``) the same ``__notes__`` list, which pytest and the
+    ``exceptiongroup`` backport print."""
+    add_note = getattr(error, "add_note", None)
+    if add_note is not None:
+        add_note(note)
+        return
+    with contextlib.suppress(Exception):  # an exception type that refuses attributes keeps its own message
+        error.__notes__ = [*getattr(error, "__notes__", ()), note]  # type: ignore[attr-defined]
 
 
 def _token_lost(target: nn.Module) -> RouteStateError:

@@ -60,8 +60,9 @@ class FSDP1Adapter(Adapter):
         for state in getattr(wrapper, "_all_fsdp_states", None) or [wrapper]:
             handle = getattr(state, "_handle", None)
             if handle is not None:
-                if handle.uses_sharded_strategy:
-                    _reshard(state, handle, True)
+                # NO_SHARD has nothing to free, but its parameters must go back to being the module's
+                # attributes (torch 2.4 leaves plain-tensor views there after a forward that raised).
+                _reshard(state, handle, handle.uses_sharded_strategy)
                 handle._training_state = HandleTrainingState.IDLE
                 handle._prefetched = False
                 handle._needs_pre_backward_unshard = False

@@ -37,8 +37,14 @@ class LossCase:
     extras: Callable[[TinyConfig], dict[str, Any]] = field(default=lambda config: {})
     config: TinyConfig = field(default_factory=TinyConfig)  # the default model size for this loss
 
+    def unavailable(self) -> str | None:
+        """Why this loss cannot run here, or None."""
+        if self.requires is None or importlib.util.find_spec(self.requires) is not None:
+            return None
+        return f"needs the package {self.requires!r}, which is not installed"
+
     def available(self) -> bool:
-        return self.requires is None or importlib.util.find_spec(self.requires) is not None
+        return self.unavailable() is None
 
     def concat(self, batches: list[Batch]) -> Batch:
         # Key by key, so DPO's chosen and rejected halves stay grouped as a single process would see them.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -59,13 +59,16 @@ def build_fsdp1(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
     return Wrapped(fsdp, fsdp.module, fsdp.no_sync, full_grads, _sgd(fsdp.parameters()))
 
 
-def build_fsdp2(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
-    """opts: ``groups`` ("root": root only; "layers": each block and lm_head their own group; "layers_tied":
-    blocks their own groups, embedding and tied lm_head one group), ``mp`` (a
-    ``param_dtype`` name for ``MixedPrecisionPolicy``)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
+class Fsdp2Api(NamedTuple):
+    FSDPModule: Any
+    MixedPrecisionPolicy: Any
+    fully_shard: Any
+    DTensor: Any
 
+
+def fsdp2_api() -> Fsdp2Api:
+    """FSDP2's names wherever this torch keeps them (public since torch 2.6, ``DTensor`` since 2.5; under
+    ``_composable.fsdp`` and ``_tensor`` before)."""
     try:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     except ImportError:  # torch < 2.6
@@ -74,6 +77,20 @@ def build_fsdp2(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
             MixedPrecisionPolicy,
             fully_shard,
         )
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import DTensor  # type: ignore[no-redef,unused-ignore]
+    return Fsdp2Api(FSDPModule, MixedPrecisionPolicy, fully_shard, DTensor)
+
+
+def build_fsdp2(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
+    """opts: ``groups`` ("root": root only; "layers": each block and lm_head their own group; "layers_tied":
+    blocks their own groups, embedding and tied lm_head one group), ``mp`` (a
+    ``param_dtype`` name for ``MixedPrecisionPolicy``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _, MixedPrecisionPolicy, fully_shard, DTensor = fsdp2_api()
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     kwargs: dict[str, Any] = {"mesh": mesh}
@@ -91,7 +108,7 @@ def build_fsdp2(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
     # The root keeps its parameters unsharded after forward by default, which hides the bug for losses that
     # call the root itself; resharding it (a legitimate memory setting) makes an unrouted read fail.
     fully_shard(model, reshard_after_forward=opts.get("reshard_root", True), **kwargs)
-    root: FSDPModule = model  # type: ignore[assignment]
+    root: Any = model  # an FSDPModule now
 
     def full_grads() -> dict[str, torch.Tensor]:
         return {

@@ -31,9 +31,19 @@ class WrapperCase:
     builder: str
     requires: str | None = None
     defaults: tuple[tuple[str, Any], ...] = ()  # options merged under the cell's own
+    cpu_torch: tuple[tuple[int, int], str] | None = None  # (oldest torch it runs right on CPU/gloo, why)
+
+    def unavailable(self) -> str | None:
+        """Why this wrapper cannot be checked here (on CPU ranks), or None."""
+        if self.requires is not None and importlib.util.find_spec(self.requires) is None:
+            return f"needs the package {self.requires!r}, which is not installed"
+        if self.cpu_torch is not None and _torch_version() < self.cpu_torch[0]:
+            major, minor = self.cpu_torch[0]
+            return f"needs torch >= {major}.{minor} on CPU ranks, this is {torch.__version__}: {self.cpu_torch[1]}"
+        return None
 
     def available(self) -> bool:
-        return self.requires is None or importlib.util.find_spec(self.requires) is not None
+        return self.unavailable() is None
 
     def build(self, model: nn.Module, opts: dict[str, Any]) -> Wrapped:
         module_name, function_name = self.builder.split(":")
@@ -41,6 +51,11 @@ class WrapperCase:
             importlib.import_module(module_name), function_name
         )
         return build(model, {**dict(self.defaults), **opts})
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def _replicated_grads(inner: nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
@@ -78,7 +93,14 @@ WRAPPERS: dict[str, WrapperCase] = {
     "none": WrapperCase("none", f"{__name__}:build_none"),
     "ddp": WrapperCase("ddp", f"{__name__}:build_ddp"),
     "fsdp1": WrapperCase("fsdp1", "wrapperroute.check.wrap_fsdp:build_fsdp1"),
-    "fsdp2": WrapperCase("fsdp2", "wrapperroute.check.wrap_fsdp:build_fsdp2"),
+    "fsdp2": WrapperCase(
+        "fsdp2",
+        "wrapperroute.check.wrap_fsdp:build_fsdp2",
+        # Measured (.ci/compat): fully_shard on CPU ranks needs CUDA in 2.4 (torch.cuda.Stream), fails in 2.6
+        # (Stream.record_event), and in 2.7 and 2.8 sums gradients over gloo instead of averaging them: 2x a
+        # plain model(...) step's, routed or not. Right in 2.9.1 and 2.13.0. (2.5 not measured.)
+        cpu_torch=((2, 9), "before 2.9, fully_shard on gloo fails or sums gradients instead of averaging them"),
+    ),
     **{
         f"zero{stage}": WrapperCase(
             f"zero{stage}", "wrapperroute.check.wrap_deepspeed:build_zero", "deepspeed", (("stage", stage),)
