@@ -5,7 +5,6 @@ batch a single process would see, so gradient truth can be checked for pairwise 
 from __future__ import annotations
 
 import copy
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .models import TinyCausalLM, TinyConfig, build_model
+from .wrappers import missing_package
 
 Batch = dict[str, torch.Tensor]
 
@@ -39,9 +39,7 @@ class LossCase:
 
     def unavailable(self) -> str | None:
         """Why this loss cannot run here, or None."""
-        if self.requires is None or importlib.util.find_spec(self.requires) is not None:
-            return None
-        return f"needs the package {self.requires!r}, which is not installed"
+        return missing_package(self.requires)
 
     def available(self) -> bool:
         return self.unavailable() is None

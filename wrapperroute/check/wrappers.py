@@ -23,6 +23,13 @@ class Wrapped:
     loss_scale: float = 1.0  # gradients are of loss * loss_scale (DeepSpeed divides by its GA steps)
 
 
+def missing_package(requires: str | None) -> str | None:
+    """Why a case needing the importable package ``requires`` cannot run here, or None."""
+    if requires is None or importlib.util.find_spec(requires) is not None:
+        return None
+    return f"needs the package {requires!r}, which is not installed"
+
+
 @dataclass(frozen=True)
 class WrapperCase:
     """``builder`` is ``"module:function"``, imported on first use so optional packages stay optional."""
@@ -35,8 +42,9 @@ class WrapperCase:
 
     def unavailable(self) -> str | None:
         """Why this wrapper cannot be checked here (on CPU ranks), or None."""
-        if self.requires is not None and importlib.util.find_spec(self.requires) is None:
-            return f"needs the package {self.requires!r}, which is not installed"
+        missing = missing_package(self.requires)
+        if missing is not None:
+            return missing
         if self.cpu_torch is not None and _torch_version() < self.cpu_torch[0]:
             major, minor = self.cpu_torch[0]
             return f"needs torch >= {major}.{minor} on CPU ranks, this is {torch.__version__}: {self.cpu_torch[1]}"
