@@ -80,9 +80,15 @@ class FSDP2Adapter(Adapter):
             for group in each._fsdp_param_groups if hasattr(each, "_fsdp_param_groups") else [each._fsdp_param_group]:
                 if group is not None:
                     group._training_state = type(group._training_state).IDLE
+                    group._post_forward_indices.clear()
                     group.reshard()
             each._training_state = type(each._training_state).IDLE
+        # The backward prefetches groups in the recorded post-forward order, cleared only by a completed
+        # backward: a rank whose failed forward recorded a different order would prefetch other groups than
+        # its peers in the next backward and deadlock (torch 2.9.1, one rank failing under agree=True).
+        state._comm_ctx.post_forward_order.clear()
         ctx.iter_forward_root = None
+        ctx.post_backward_final_callback_queued = False
 
     def nested_units(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
         return units_for(wrapper, wrapper, gather, _is_unit, _auto_units)
