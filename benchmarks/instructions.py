@@ -68,7 +68,9 @@ def _bytecodes(call: Any) -> int:
 
     def trace(frame: types.FrameType, event: str, arg: Any) -> Any:
         nonlocal count
-        frame.f_trace_opcodes = True
+        was, frame.f_trace_opcodes = frame.f_trace_opcodes, True
+        if not was and sys.version_info[:2] == (3, 12):  # 3.12 ignores the flag set in an event until settrace
+            sys.settrace(trace)
         count += event == "opcode"
         return trace
 

@@ -25,13 +25,28 @@ PACKAGE = str(pathlib.Path(wr.__file__).parent)
 # contextlib too: entering and leaving our generator context managers runs through its frames.
 TRACED = (PACKAGE, contextlib.__file__)
 # Instructions after which CPython checks for signals (3.10-3.13 names); a function's entry is the other point.
+# Not 3.12's CALL_INTRINSIC_*: they call no Python code and check nothing (one runs when a generator is closed).
 SIGNAL_CHECKED_AFTER = frozenset(
-    name for name in dis.opmap if name.startswith("CALL") or name in ("JUMP_BACKWARD", "JUMP_ABSOLUTE")
+    name
+    for name in dis.opmap
+    if (name.startswith("CALL") and not name.startswith("CALL_INTRINSIC")) or name in ("JUMP_BACKWARD", "JUMP_ABSOLUTE")
 )
 
 # A generator's "call" event also fires when it is closed (no signal check there, and an exception raised
 # then is only printed): its resumptions are left out, the points after calls inside it are kept.
 RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
+def trace_opcodes(frame: types.FrameType, trace: Callable[..., Any]) -> None:
+    """Ask for ``frame``'s opcode events, from inside the trace function.
+
+    CPython 3.12 (measured on 3.12.1) ignores ``f_trace_opcodes`` set during a trace event until tracing is
+    set again: without the second ``settrace`` no opcode event fires at all.
+    """
+    was = frame.f_trace_opcodes
+    frame.f_trace_opcodes = True
+    if not was and sys.version_info[:2] == (3, 12):
+        sys.settrace(trace)
 
 
 def points_tracer(on_point: Callable[[types.FrameType], None]) -> Callable[..., Any]:
@@ -41,7 +56,7 @@ def points_tracer(on_point: Callable[[types.FrameType], None]) -> Callable[..., 
     def trace(frame: types.FrameType, event: str, arg: Any) -> Any:
         if not frame.f_code.co_filename.startswith(TRACED):
             return None  # not ours: neither traced nor interrupted (the loss and torch run untouched)
-        frame.f_trace_opcodes = True
+        trace_opcodes(frame, trace)
         if event == "call" and not frame.f_code.co_flags & RESUMABLE:
             on_point(frame)
         elif event == "opcode":

@@ -305,6 +305,8 @@ def trl_step(trainer_name: str, variant: str, folder: str) -> dict[str, Any]:
                 )
             trainer.train()
             result["wrapper"] = type(trainer.model_wrapped).__name__
+            redirection = getattr(trainer, "_forward_redirection", None)  # the class the trainer routes with
+            result["redirection"] = type(redirection).__module__ if redirection is not None else None
     except Exception:
         result["error"] = traceback.format_exc()
     finally:

@@ -87,6 +87,12 @@ def _worker(rank: int, world_size: int, store_path: str, conn: Connection, env: 
             conn.send(("err", traceback.format_exc()))
     try:
         dist.destroy_process_group()
+        # Named semaphores made in this rank (tqdm's lock, which compiled losses create) are unregistered from
+        # the resource tracker shared with the parent only by these finalizers; os._exit skips them, and the
+        # tracker then warns of "leaked semaphore objects" when the parent exits.
+        from multiprocessing import util
+
+        util._run_finalizers()  # type: ignore[attr-defined]
     finally:
         os._exit(0)  # skip interpreter teardown: it is where the shutdown abort happens
 
