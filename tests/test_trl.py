@@ -19,6 +19,8 @@ from wrapperroute.integrations.trl import ForwardRedirection
 from wrapperroute.ranks import RankPool
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
+HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
+needs_trl = pytest.mark.skipif(not HAS_TRL, reason="trl is not installed (pip install wrapperroute[trl])")
 
 
 def _trl_has_the_liger_desync() -> bool:
@@ -30,8 +32,6 @@ def _trl_has_the_liger_desync() -> bool:
     from wrapperroute.integrations.trl import _AFFECTED, _version
 
     return _AFFECTED[0] <= _version(trl.__version__) < _AFFECTED[1]
-HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
-needs_trl = pytest.mark.skipif(not HAS_TRL, reason="trl is not installed (pip install wrapperroute[trl])")
 
 
 def test_importing_wrapperroute_never_imports_trl() -> None:
@@ -227,7 +227,8 @@ def test_patch_trl_fixes_liger_desync(pool: RankPool, trainer: str, tmp_path: pa
 def test_naive_dpo_fix(pool: RankPool, tmp_path: pathlib.Path) -> None:
     """Why patch_trl isolates DPO's loss (TRL 1.10-1.13): routed through DDP's forward with its graph optimizer
     (what TRL's own redirection does), the compiled torch.func loss fails to compile. TRL 1.14 runs no such
-    loss: the same variant (our redirection in mode="redirect", DPO left alone) is exact there."""
+    loss: the same variant (``patch_trl(mode="redirect")``, which there leaves DPO alone and only replaces
+    TRL's redirection with ours) is exact."""
     naive = _trl_step(pool, "dpo", "naive", tmp_path)
     print(f"\n{_row(naive)}")
     if _trl_has_the_liger_desync():
