@@ -60,7 +60,7 @@ def _sharded(kind: str, wrapper: nn.Module) -> bool:
         flats = [unit._handle.flat_param for unit in FSDP.fsdp_modules(wrapper) if unit._handle is not None]
         # before the first forward (lazy init) the flat parameter is its own shard
         return all(not hasattr(f, "_local_shard") or f.data_ptr() == f._local_shard.data_ptr() for f in flats)
-    if kind == "fsdp2":
+    if kind in ("fsdp2", "replicate_fsdp"):
         from wrapperroute.check.wrap_fsdp import fsdp2_api
 
         DTensor = fsdp2_api().DTensor
@@ -406,8 +406,10 @@ def tree_truth(spec: dict[str, Any]) -> dict[str, Any]:
         model = RandomTree(spec)
     reference = build_none(_clone_tree(model, spec), {})
     opts = dict(spec["opts"])
-    if spec["wrapper"] == "ddp" and spec["unused"]:
+    if spec["wrapper"] in ("ddp", "replicate") and spec["unused"]:
         opts["find_unused_parameters"] = True
+    if spec["wrapper"] == "fabric_ddp" and spec["unused"]:
+        opts["strategy"] = "ddp_find_unused_parameters_true"
     wrapped = WRAPPERS[spec["wrapper"]].build(model, opts)
     inner: Any = wrapped.inner
     x, labels = _tree_batch(spec, rank)

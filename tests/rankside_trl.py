@@ -1,19 +1,14 @@
-"""Rank-side checks for ``@routed``, HF ``Trainer`` and real TRL trainers: module-level so the pool can pickle
+"""Rank-side checks for ``@routed``, HF ``Trainer`` and TRL's redirection: module-level so the pool can pickle
 them by reference. Everything is built locally (a tiny Llama from a config, a WordLevel tokenizer): nothing is
-downloaded.
+downloaded. (Real TRL trainer steps: ``wrapperroute.check.trl_cells``, shared with ``check --trl``.)
 
-Gradient truth is the seed's measurement: after one training step, every parameter's gradient is compared
-across ranks (one all-gather, ``_compare_across_ranks``; for real TRL trainers the ranks return their
-gradients and the test compares them, so nothing collective runs after training); the ranks see different
-data.
+Gradient truth is the upstream measurement: after one training step, every parameter's gradient is compared
+across ranks (one all-gather, ``_compare_across_ranks``); the ranks see different data.
 """
 
 from __future__ import annotations
 
-import os
 import tempfile
-import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -24,27 +19,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from wrapperroute.check.cell import _compare_across_ranks
 from wrapperroute.check.models import TinyConfig, build_model
+from wrapperroute.check.trl_cells import GradProbe, lm_rows, tiny_llama, trainer_grads, training_args
 from wrapperroute.decorators import routed
-from wrapperroute.route import _isolated_losses
-
-WORDS = [f"w{i}" for i in range(48)]
-# The DPO crash needs the Liger loss's two requires-grad heads (policy, unfrozen reference) to span >= 2 DDP
-# buckets (the first is 1 MB): 8192 x 64 float32 = 2 MB each. mechanisms.md, "TRL versions".
-LIGER_VOCAB, LIGER_HIDDEN = 8192, 64
-NO_TRITON = {"rope": False, "rms_norm": False, "swiglu": False, "cross_entropy": False,
-             "fused_linear_cross_entropy": False}  # fmt: skip
 
 
 def _rank() -> int:
     return dist.get_rank()
-
-
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone().float()
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
 
 
 def _measure(grads: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -100,81 +80,15 @@ def routed_functions_ddp() -> dict[str, Any]:
         model = build_model(config)
         ddp = DDP(model)
         call(ddp).backward()
-        results[name] = _measure(_grads(model))
+        results[name] = _measure(trainer_grads(model))
     return results
 
 
 # --- HF Trainer with @routed --------------------------------------------------------------------------------
 
 
-def _tiny_llama(vocab: int, hidden: int) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return LlamaForCausalLM(config)
-
-
-def _tokenizer() -> Any:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate(["<pad>", "<s>", "</s>", "<unk>", *WORDS])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
-
-
-class _GradProbe:
-    """Trainer callback: records every gradient after the backward, before the optimizer touches it."""
-
-    def __init__(self) -> None:
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def __getattr__(self, event: str) -> Callable[..., None]:
-        if not event.startswith("on_"):
-            raise AttributeError(event)
-        return lambda *args, **kwargs: None
-
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **_: Any) -> None:
-        self.grads = _grads(model)
-
-
-def _args(cls: Any, out: str, **extra: Any) -> Any:
-    return cls(
-        output_dir=out,
-        max_steps=1,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        max_grad_norm=0.0,  # clipping would rescale; the comparison wants the raw synced gradient
-        use_cpu=True,
-        ddp_backend="gloo",
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        seed=0,
-        **extra,
-    )
-
-
 def _lm_rows(rows: int, seq: int) -> list[dict[str, list[int]]]:
-    generator = torch.Generator().manual_seed(1234)  # the same dataset on every rank; the sampler splits it
-    ids = torch.randint(4, 4 + len(WORDS), (rows, seq), generator=generator).tolist()
-    return [{"input_ids": row, "labels": row} for row in ids]
+    return [{"input_ids": row, "labels": row} for row in lm_rows(rows, seq)]
 
 
 def _trainer_body(self: Any, model: Any, inputs: dict[str, torch.Tensor], return_outputs: bool = False,
@@ -194,11 +108,11 @@ def hf_trainer_routed(decorated: bool) -> dict[str, Any]:
     class FusedLossTrainer(Trainer):
         compute_loss = routed(_trainer_body) if decorated else _trainer_body
 
-    probe = _GradProbe()
+    probe = GradProbe()
     with tempfile.TemporaryDirectory() as out:
         trainer = FusedLossTrainer(
-            model=_tiny_llama(64, 16),
-            args=_args(TrainingArguments, out, remove_unused_columns=False),
+            model=tiny_llama(64, 16),
+            args=training_args(TrainingArguments, out, remove_unused_columns=False),
             train_dataset=Dataset.from_list(_lm_rows(8, 8)),
             callbacks=[probe],  # type: ignore[list-item]
         )
@@ -207,113 +121,7 @@ def hf_trainer_routed(decorated: bool) -> dict[str, Any]:
     return {**_measure(probe.grads), "wrapper": wrapper}
 
 
-# --- real TRL DPO / KTO with use_liger_kernel=True ----------------------------------------------------------
-
-
-def _save_tiny(folder: str) -> None:
-    _tiny_llama(LIGER_VOCAB, LIGER_HIDDEN).save_pretrained(folder)
-    _tokenizer().save_pretrained(folder)
-
-
-def _sentence(generator: torch.Generator, length: int) -> str:
-    return " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (length,), generator=generator).tolist())
-
-
-def _preference_rows(rows: int) -> list[dict[str, str]]:
-    generator = torch.Generator().manual_seed(99)
-    return [
-        {"prompt": _sentence(generator, 4), "chosen": _sentence(generator, 3), "rejected": _sentence(generator, 3)}
-        for _ in range(rows)
-    ]
-
-
-def _kto_rows(rows: int) -> list[dict[str, Any]]:
-    generator = torch.Generator().manual_seed(77)
-    return [
-        {"prompt": _sentence(generator, 4), "completion": _sentence(generator, 3), "label": i % 2 == 0}
-        for i in range(rows)
-    ]
-
-
-def _fill_model_folder(folder: str) -> None:
-    """Rank 0 writes the tiny model into ``folder`` (transformers saves on global rank 0 only once a process
-    group exists); the others wait. The test owns and removes the folder: no collective after training."""
-    if _rank() == 0 and not os.listdir(folder):
-        _save_tiny(folder)
-    dist.barrier()
-
-
-def trl_step(trainer_name: str, variant: str, folder: str) -> dict[str, Any]:
-    """One TRL training step with ``use_liger_kernel=True`` on this rank.
-
-    ``variant``: ``"unpatched"`` (TRL as installed), ``"patched"`` (``patch_trl()``), or ``"naive"``
-    (``patch_trl(mode="redirect")``: the loss routed through DDP's forward *with* its graph optimizer, i.e. the
-    obvious one-line fix). The patch is undone afterwards and Dynamo's caches are dropped first, so every
-    variant compiles the Liger loss in its own setting, whatever ran before in this worker.
-
-    Returns this rank's gradients (compared across ranks by the caller) or its error. Nothing collective runs
-    after training: a rank that failed must not leave the other waiting in a collective it never joins (the
-    other then fails on the group timeout inside TRL's own collectives, and both errors reach the caller).
-    """
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM
-
-    from wrapperroute.integrations.trl import patch_trl, unpatch_trl
-
-    torch._dynamo.reset()
-    _isolated_losses.clear()
-    # A compile that failed inside a torch.func transform (the "naive" variant) leaves saved-tensor hooks
-    # disabled; gradient checkpointing would then fail in whatever runs next in this worker.
-    if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
-        torch._C._autograd._saved_tensors_hooks_enable()
-    start = time.perf_counter()
-    result: dict[str, Any] = {"trainer": trainer_name, "variant": variant, "error": None, "differ": None}
-    # A DDP forward marker left set by an earlier task (overlapping DDP forwards in threads) would make Dynamo
-    # compile even the unpatched loss with DDP's graph optimizer: report it, and compile without it.
-    result["stale_ddp_marker"] = DDP._active_ddp_module is not None
-    DDP._active_ddp_module = None
-    unpatch_trl()
-    if variant != "unpatched":
-        mode = {"naive": "redirect", "patched": "isolate"}.get(variant, variant)
-        result["patch"] = list(patch_trl(mode=mode).patched)  # type: ignore[arg-type]
-    probe = _GradProbe()
-    try:
-        _fill_model_folder(folder)
-        with tempfile.TemporaryDirectory() as out:
-            model = AutoModelForCausalLM.from_pretrained(folder)
-            tokenizer = _tokenizer()
-            common = {"use_liger_kernel": True, "liger_kernel_config": NO_TRITON, "remove_unused_columns": False}
-            if trainer_name == "dpo":
-                from trl import DPOConfig, DPOTrainer
-
-                trainer: Any = DPOTrainer(
-                    model=model,
-                    args=_args(DPOConfig, out, **common),
-                    train_dataset=Dataset.from_list(_preference_rows(8)),
-                    processing_class=tokenizer,
-                    callbacks=[probe],  # type: ignore[list-item]
-                )
-            else:
-                from trl import KTOConfig, KTOTrainer
-
-                trainer = KTOTrainer(
-                    model=model,
-                    args=_args(KTOConfig, out, **common),
-                    train_dataset=Dataset.from_list(_kto_rows(8)),
-                    processing_class=tokenizer,
-                    callbacks=[probe],  # type: ignore[list-item]
-                )
-            trainer.train()
-            result["wrapper"] = type(trainer.model_wrapped).__name__
-            redirection = getattr(trainer, "_forward_redirection", None)  # the class the trainer routes with
-            result["redirection"] = type(redirection).__module__ if redirection is not None else None
-    except Exception:
-        result["error"] = traceback.format_exc()
-    finally:
-        unpatch_trl()
-    result["grads"] = probe.grads
-    result["seconds"] = round(time.perf_counter() - start, 1)
-    return result
+# --- real TRL DPO / KTO with use_liger_kernel=True: wrapperroute.check.trl_cells.trl_step ---------------------
 
 
 def forward_redirection_ddp(use_trl: bool) -> dict[str, Any]:
@@ -330,7 +138,7 @@ def forward_redirection_ddp(use_trl: bool) -> dict[str, Any]:
     ddp = DDP(model)
     loss = redirection_class()(ddp, model, _fused_ce, model, ids)
     loss.backward()
-    return {**_measure(_grads(model)), "forward_left": "forward" in model.__dict__}
+    return {**_measure(trainer_grads(model)), "forward_left": "forward" in model.__dict__}
 
 
-__all__ = ["forward_redirection_ddp", "hf_trainer_routed", "routed_functions_ddp", "trl_step"]
+__all__ = ["forward_redirection_ddp", "hf_trainer_routed", "routed_functions_ddp"]

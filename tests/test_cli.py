@@ -78,10 +78,16 @@ def test_defaults_this_torch_cannot_check_are_named_not_dropped() -> None:
 
     future = WrapperCase("future", "wrapperroute.check.wrappers:build_ddp", cpu_torch=((99, 0), "not yet"))
     known = {"ddp": WRAPPERS["ddp"], "future": future}
-    assert _names(None, known, ("ddp", "future"), "wrapper") == ["ddp"]
-    assert _skipped(known, ("ddp", "future"), "wrapper") == [
+    assert _names(None, known, ("ddp", "future"), "wrapper", 2) == ["ddp"]
+    assert _skipped(known, ("ddp", "future"), "wrapper", 2) == [
         f"wrapperroute: skipping wrapper 'future': it needs torch >= 99.0 on CPU ranks, this is {torch.__version__}: "
         "not yet"
     ]
     with pytest.raises(UsageError, match=r"wrapper 'future' needs torch >= 99\.0 on CPU ranks.*not yet"):
-        _names("ddp,future", known, ("ddp",), "wrapper")
+        _names("ddp,future", known, ("ddp",), "wrapper", 2)
+
+
+def test_four_rank_layouts_said_when_left_out() -> None:
+    """With 2 ranks, the layouts that need 4 are named on stderr with the flag that runs them."""
+    done = _cli("check", "--wrappers", "hsdp", timeout=60)
+    assert done.returncode == 2 and "needs at least 4 ranks (--nproc 4)" in done.stderr, done.stderr

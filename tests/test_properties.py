@@ -6,6 +6,7 @@ tree from it. Examples are batched 10 to a pool call to keep the pool's round tr
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import rankside_reliability as rr
@@ -21,7 +22,9 @@ CALLS = 20  # x BATCH = 200 examples
 # DDP is drawn most (a few ms an example); each FSDP layout about one example in ten (FSDP's set-up is slower).
 LAYOUTS = [("ddp", {}), ("ddp", {}), ("ddp", {}), ("ddp", {"gradient_as_bucket_view": True}), ("ddp", {}),
            ("ddp", {"broadcast_buffers": False}), ("fsdp1", {}), ("fsdp1", {"lm_head_unit": True}), ("fsdp2", {}),
-           ("fsdp2", {"groups": "layers"})]  # fmt: skip
+           ("fsdp2", {"groups": "layers"}), ("replicate", {}), ("replicate", {})]  # fmt: skip
+if importlib.util.find_spec("lightning") is not None:
+    LAYOUTS.append(("fabric_ddp", {}))
 
 
 @st.composite

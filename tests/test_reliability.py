@@ -22,14 +22,23 @@ from wrapperroute.ranks import RankPool
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 TOLERANCE = 1e-6
 NEEDS_DS = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install wrapperroute[ds])")
+NEEDS_LIGHTNING = pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None, reason="lightning is not installed (wrapperroute[lightning])"
+)
+REPLICATE = pytest.param("replicate", {}, id="replicate")
+FABRIC = pytest.param("fabric_ddp", {}, id="fabric_ddp", marks=NEEDS_LIGHTNING)
 ZERO3 = {"zero": {"stage3_param_persistence_threshold": 0}}  # partition even the tiny model's parameters
 WRAPPERS = [
     pytest.param("ddp", {}, id="ddp"),
     pytest.param("ddp", {"find_unused_parameters": True}, id="ddp-find_unused"),
+    REPLICATE,
+    pytest.param("replicate", {"find_unused_parameters": True}, id="replicate-find_unused"),
+    FABRIC,
     pytest.param("fsdp1", {}, id="fsdp1"),
     pytest.param("fsdp1", {"lm_head_unit": True}, id="fsdp1-lm_head_unit"),
     pytest.param("fsdp2", {}, id="fsdp2"),
     pytest.param("fsdp2", {"groups": "layers"}, id="fsdp2-layers"),
+    pytest.param("replicate_fsdp", {"lm_head_group": True}, id="replicate_fsdp-lm_head_group"),
     *(pytest.param(f"zero{s}", {}, id=f"zero{s}", marks=NEEDS_DS) for s in range(3)),
     pytest.param("zero3", ZERO3, id="zero3", marks=NEEDS_DS),
 ]
@@ -182,7 +191,10 @@ def test_exception_in_fn_on_every_rank(pool: RankPool, wrapper: str, opts: dict[
         assert rank["end"] == rank["before"]
 
 
-@pytest.mark.parametrize(("wrapper", "opts"), [("fsdp2", {"groups": "layers"}), ("ddp", {})], ids=["fsdp2", "ddp"])
+@pytest.mark.parametrize(
+    ("wrapper", "opts"),
+    [pytest.param("fsdp2", {"groups": "layers"}, id="fsdp2"), pytest.param("ddp", {}, id="ddp"), REPLICATE, FABRIC],
+)
 def test_keyboard_interrupt_in_fn(pool: RankPool, wrapper: str, opts: dict[str, Any]) -> None:
     for rank in pool.run(rr.fault_then_exact, wrapper, opts, True):
         assert rank["raised"].startswith("KeyboardInterrupt")
@@ -194,6 +206,8 @@ def test_keyboard_interrupt_in_fn(pool: RankPool, wrapper: str, opts: dict[str, 
 INTERRUPTED = [
     pytest.param("ddp", {}, id="ddp"),
     pytest.param("ddp", {"find_unused_parameters": True}, id="ddp-find_unused"),
+    REPLICATE,
+    FABRIC,
     pytest.param("fsdp1", {"lm_head_unit": True}, id="fsdp1-lm_head_unit"),
     pytest.param("fsdp2", {"groups": "layers"}, id="fsdp2-layers"),
     pytest.param("zero3", ZERO3, id="zero3", marks=NEEDS_DS),
@@ -213,6 +227,8 @@ def test_keyboard_interrupt_anywhere(pool: RankPool, wrapper: str, opts: dict[st
 
 AGREE = [
     pytest.param("ddp", {}, id="ddp"),
+    REPLICATE,
+    FABRIC,
     pytest.param("fsdp1", {"lm_head_unit": True}, id="fsdp1"),
     pytest.param("fsdp2", {"groups": "layers"}, id="fsdp2"),
     pytest.param("zero3", ZERO3, id="zero3", marks=NEEDS_DS),

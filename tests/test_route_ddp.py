@@ -18,6 +18,8 @@ from wrapperroute.ranks import RankPool
 
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
 TOLERANCE = 1e-6
+# DDP itself, and the two setups that run a DDP forward without the wrapper object or inside another layer.
+COMPOSED_DDP = ["ddp", "replicate"] + (["fabric_ddp"] if importlib.util.find_spec("lightning") else [])
 
 SETTINGS = {
     "default": {},
@@ -70,28 +72,30 @@ def test_gradient_truth(pool: RankPool, loss: str, setting: str) -> None:
 
 @pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed (pip install wrapperroute[liger])")
 def test_functorch_crash_reproduced_and_fallback_exact() -> None:
-    """The seed's crash: compiled Liger DPO with an unfrozen reference head, hidden 256, vocab 8192.
+    """The upstream crash: compiled Liger DPO with an unfrozen reference head, hidden 256, vocab 8192.
 
     Compiled fresh inside DDP's forward, plain forward redirection crashes; the default mode falls back by
-    itself and is exact. Fresh ranks: a first compile is what crashes, and earlier tests in the shared pool
+    itself and is exact. The same under composable replicate (its pre-hook sets DDP's forward marker) and
+    Fabric over DDP. Fresh ranks: a first compile is what crashes, and earlier tests in the shared pool
     (DeepSpeed, accelerate) leave compiler state behind that a Dynamo reset does not clear.
     """
     with RankPool(2) as pool:
-        _crash_then_fallback(pool)
+        for wrapper in COMPOSED_DDP:
+            _crash_then_fallback(pool, wrapper)
 
 
-def _crash_then_fallback(pool: RankPool) -> None:
-    crashed = pool.run(run_cell, Cell(loss="liger_dpo", mode="redirect", fresh_compile=True))
+def _crash_then_fallback(pool: RankPool, wrapper: str) -> None:
+    crashed = pool.run(run_cell, Cell(wrapper, loss="liger_dpo", mode="redirect", fresh_compile=True))
     for rank in crashed:
         assert rank["error"] is not None and "Cannot access storage of TensorWrapper" in rank["error"], rank
 
-    fixed = pool.run(run_cell, Cell(loss="liger_dpo", mode="auto", steps=3, fresh_compile=True))
+    fixed = pool.run(run_cell, Cell(wrapper, loss="liger_dpo", mode="auto", steps=3, fresh_compile=True))
     for rank in fixed:
         assert rank["error"] is None, rank["error"]
         assert rank["fell_back"], "auto mode should have engaged the fallback on a fresh compile"
         assert rank["differ"] == 0 and rank["max_ref_diff"] <= TOLERANCE, rank
 
-    isolated = pool.run(run_cell, Cell(loss="liger_dpo", mode="isolate", fresh_compile=True))
+    isolated = pool.run(run_cell, Cell(wrapper, loss="liger_dpo", mode="isolate", fresh_compile=True))
     for rank in isolated:
         assert rank["error"] is None, rank["error"]
         assert not rank["fell_back"], "isolate mode needs no failed first attempt"

@@ -15,6 +15,7 @@ import rankside_trl
 import torch
 from torch import nn
 
+from wrapperroute.check.trl_cells import compare_ranks, trl_step
 from wrapperroute.integrations.trl import ForwardRedirection
 from wrapperroute.ranks import RankPool
 
@@ -23,15 +24,14 @@ HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
 needs_trl = pytest.mark.skipif(not HAS_TRL, reason="trl is not installed (pip install wrapperroute[trl])")
 
 
-def _trl_has_the_liger_desync() -> bool:
-    """Whether the installed TRL's DPO/KTO skip the wrapper (1.10-1.13). 1.14 rewrote their Liger path: it
-    routes through the wrapper itself and no longer runs Liger's compiled torch.func loss (measured with
-    TRL 1.14.2: no desync, no crash), so there the trainer tests check TRL stays exact, patched or not."""
-    import trl
+def _defines_liger_loss(trainer: str) -> bool:
+    """Whether the installed trainer class defines ``_compute_loss_liger``: the method whose callers skip the
+    wrapper (TRL 1.9-1.13 pass it the unwrapped model, earlier releases the wrapper itself). Releases from 1.14
+    have none: they route their Liger path themselves (measured with TRL 1.14.2: no desync, no crash). The
+    tests measure the bug where the method is, and check TRL stays exact where it is not."""
+    from trl import DPOTrainer, KTOTrainer
 
-    from wrapperroute.integrations.trl import _AFFECTED, _version
-
-    return _AFFECTED[0] <= _version(trl.__version__) < _AFFECTED[1]
+    return "_compute_loss_liger" in vars(DPOTrainer if trainer == "dpo" else KTOTrainer)
 
 
 def test_importing_wrapperroute_never_imports_trl() -> None:
@@ -134,7 +134,6 @@ def test_redirection_under_ddp_matches_trl(pool: RankPool) -> None:
 
 @needs_trl
 def test_patch_trl_is_idempotent_and_reversible(monkeypatch: pytest.MonkeyPatch) -> None:
-    import trl
     from trl.trainer.dpo_trainer import DPOTrainer
     from trl.trainer.kto_trainer import KTOTrainer
 
@@ -152,23 +151,28 @@ def test_patch_trl_is_idempotent_and_reversible(monkeypatch: pytest.MonkeyPatch)
         import trl.trainer.grpo_trainer as grpo  # imported after the patch: takes ours from trl.models.utils
 
         assert grpo._ForwardRedirection is ForwardRedirection
-        if _trl_has_the_liger_desync():
+        if _defines_liger_loss("dpo"):
             assert "trl.trainer.dpo_trainer.DPOTrainer.compute_loss" in first.patched
-            assert "trl.trainer.kto_trainer.KTOTrainer._compute_loss_liger" in first.patched
             assert DPOTrainer.compute_loss is not originals[0]
         else:  # only the redirection is replaced; the note says why
-            assert not any("Trainer" in label for label in first.patched), first.patched
-            assert "fixed in 1.14" in first.note and DPOTrainer.compute_loss is originals[0]
+            assert not any("DPOTrainer" in label for label in first.patched), first.patched
+            assert "DPOTrainer defines no _compute_loss_liger" in first.note and DPOTrainer.compute_loss is originals[0]
+        if _defines_liger_loss("kto"):
+            assert "trl.trainer.kto_trainer.KTOTrainer._compute_loss_liger" in first.patched
     finally:
         unpatch_trl()
     assert (DPOTrainer.compute_loss, getattr(KTOTrainer, "_compute_loss_liger", None)) == originals
     assert utils._ForwardRedirection is not ForwardRedirection
     assert grpo._ForwardRedirection is utils._ForwardRedirection  # swept back too
 
-    monkeypatch.setattr(trl, "__version__", "1.15.0")  # a TRL that needs no DPO/KTO fix
+    for cls in (DPOTrainer, KTOTrainer):  # a TRL whose trainers have no Liger loss method: nothing to fix
+        if "_compute_loss_liger" in vars(cls):
+            monkeypatch.delattr(cls, "_compute_loss_liger")
     try:
         result = patch_trl(forward_redirection=False)
-        assert result.patched == () and not result and "1.15.0" in result.note
+        assert result.patched == () and not result, result
+        assert "DPOTrainer defines no _compute_loss_liger" in result.note, result.note
+        assert "KTOTrainer defines no _compute_loss_liger" in result.note, result.note
     finally:
         unpatch_trl()
 
@@ -177,19 +181,13 @@ def test_patch_trl_is_idempotent_and_reversible(monkeypatch: pytest.MonkeyPatch)
 
 
 def _trl_step(pool: RankPool, trainer: str, variant: str, folder: pathlib.Path) -> dict[str, Any]:
-    """One TRL step on every rank; the seed's measurement (every gradient compared across ranks) done here, from
-    the gradients each rank returns. Rank 0's row, with every rank's error."""
-    results = pool.run(rankside_trl.trl_step, trainer, variant, str(folder), timeout=240)
-    errors = {rank: r["error"] for rank, r in enumerate(results) if r["error"]}
+    """One TRL step on every rank; the upstream measurement (every gradient compared across ranks) done here,
+    from the gradients each rank returns. Rank 0's row, with every rank's error."""
+    results = pool.run(trl_step, trainer, variant, str(folder), timeout=240)
     assert not any(r["stale_ddp_marker"] for r in results), "an earlier task left DDP's forward marker set"
-    row = {**results[0], "errors": errors, "error": results[0]["error"] or next(iter(errors.values()), None)}
-    if errors and len(errors) < len(results):
+    row = compare_ranks(results)
+    if row["errors"] and len(row["errors"]) < len(results):
         pool.close()  # one rank failed, the other timed out in a collective: never reuse that group
-    if not errors:
-        grads = [r["grads"] for r in results]
-        assert all(g.keys() == grads[0].keys() and g for g in grads), "ranks recorded different parameters"
-        diffs = [max(float((g[name] - grads[0][name]).abs().max()) for g in grads[1:]) for name in grads[0]]
-        row.update(params=len(diffs), differ=sum(d > 0 for d in diffs), max_diff=max(diffs))
     return row
 
 
@@ -211,13 +209,14 @@ def test_patch_trl_fixes_liger_desync(pool: RankPool, trainer: str, tmp_path: pa
     before = _trl_step(pool, trainer, "unpatched", tmp_path)
     after = _trl_step(pool, trainer, "patched", tmp_path)
     print(f"\n{_row(before)}\n{_row(after)}")
-    assert not before["errors"] and not after["errors"], (before["errors"], after["errors"])
-    assert before["wrapper"] == after["wrapper"] == "DistributedDataParallel"
+    assert not after["errors"], after["errors"]
+    assert after["wrapper"] == "DistributedDataParallel"
     assert after["differ"] == 0 and after["max_diff"] == 0.0 and after["params"] > 0
-    if _trl_has_the_liger_desync():
-        assert before["differ"] == before["params"] > 0, "TRL 1.10-1.13 as installed must show the desync"
+    if _defines_liger_loss(trainer):  # the bug as installed, measured: a desync, or the wrapper-passed crash
+        assert before["errors"] or before["differ"] == before["params"] > 0, before
+        assert any("routed" in path for path in after["liger_paths"]), after["liger_paths"]
     else:  # TRL's own fix: exact unpatched, and patch_trl (its redirection replaced by ours) keeps it exact
-        assert before["differ"] == 0 and before["max_diff"] == 0.0, "TRL >= 1.14 routes its Liger loss itself"
+        assert not before["errors"] and before["differ"] == 0 and before["max_diff"] == 0.0, before
         assert not any("Trainer" in label for label in after["patch"]), after["patch"]
         assert after["redirection"] == "wrapperroute.integrations.trl", after["redirection"]  # ours ran
 
@@ -225,13 +224,13 @@ def test_patch_trl_fixes_liger_desync(pool: RankPool, trainer: str, tmp_path: pa
 @needs_trl
 @pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed")
 def test_naive_dpo_fix(pool: RankPool, tmp_path: pathlib.Path) -> None:
-    """Why patch_trl isolates DPO's loss (TRL 1.10-1.13): routed through DDP's forward with its graph optimizer
-    (what TRL's own redirection does), the compiled torch.func loss fails to compile. TRL 1.14 runs no such
-    loss: the same variant (``patch_trl(mode="redirect")``, which there leaves DPO alone and only replaces
-    TRL's redirection with ours) is exact."""
+    """Why patch_trl isolates DPO's loss (where DPOTrainer defines _compute_loss_liger): routed through DDP's
+    forward with its graph optimizer (what TRL's own redirection does), the compiled torch.func loss fails to
+    compile. TRL 1.14 runs no such loss: the same variant (``patch_trl(mode="redirect")``, which there leaves
+    DPO alone and only replaces TRL's redirection with ours) is exact."""
     naive = _trl_step(pool, "dpo", "naive", tmp_path)
     print(f"\n{_row(naive)}")
-    if _trl_has_the_liger_desync():
+    if _defines_liger_loss("dpo"):
         assert len(naive["errors"]) == 2 and all("TensorWrapper" in error for error in naive["errors"].values())
     else:
         assert not naive["errors"] and naive["differ"] == 0 and naive["params"] > 0, naive

@@ -19,6 +19,7 @@ from .errors import (
     RouteStateError,
     RouteTypeError,
     RouteValueError,
+    UnroutedModelWarning,
     WrapperRouteError,
 )
 from .route import MODES, Mode, route_loss
@@ -34,6 +35,7 @@ __all__ = [
     "RouteTypeError",
     "RouteValueError",
     "SyncReport",
+    "UnroutedModelWarning",
     "WrapperRouteError",
     "__version__",
     "check_grad_sync",

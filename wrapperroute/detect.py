@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
+from torch.distributed._composable.contract import REGISTRY_KEY as _REGISTRY_KEY
 
 from .adapters import Adapter, registered
 from .errors import RouteTypeError
@@ -23,7 +24,8 @@ class Detection:
     """What :func:`detect` found.
 
     kind
-        ``"none"`` or the outermost distributed wrapper's family: ``"ddp"``, ``"fsdp1"``, ``"fsdp2"``,
+        ``"none"`` or the outermost distributed wrapper's family: ``"ddp"``, ``"replicate"`` (torch's
+        composable DDP), ``"fsdp1"``, ``"fsdp2"``, ``"replicate_fsdp"`` (``replicate`` built on FSDP2),
         ``"deepspeed"``.
     chain
         The layers peeled, outermost first, ending with ``"module"``: e.g. ``("compile", "ddp", "module")``.
@@ -33,6 +35,9 @@ class Detection:
         The innermost module: what a trainer calls the unwrapped model.
     details
         Family-specific facts (``{"zero_stage": 3}``, DDP flags...).
+    entry
+        The layer whose forward :func:`~wrapperroute.route_loss` calls: the wrapper, or an outer layer whose
+        own forward must run around it (Lightning Fabric's precision context). ``None`` when nothing is routed.
     """
 
     kind: str
@@ -42,6 +47,8 @@ class Detection:
     layers: tuple[nn.Module, ...] = field(repr=False)
     details: dict[str, Any] = field(default_factory=dict)
     adapter: Adapter | None = field(default=None, repr=False, compare=False)
+    entry: nn.Module | None = field(default=None, repr=False, compare=False)
+    entry_adapter: Adapter | None = field(default=None, repr=False, compare=False)
 
     @property
     def distributed(self) -> bool:
@@ -51,8 +58,9 @@ class Detection:
 def detect(model: nn.Module) -> Detection:
     """Peel every known layer off ``model`` and report the outermost distributed wrapper.
 
-    Sees through ``torch.compile``, DDP, FSDP1, FSDP2, DeepSpeed engines and PEFT models in any order.
-    Accelerate adds no layer of its own (it returns these same wrappers), so it needs no entry.
+    Sees through ``torch.compile``, DDP, composable ``replicate``, FSDP1, FSDP2, DeepSpeed engines, PEFT
+    models and Lightning Fabric modules in any order. Accelerate adds no layer of its own (it returns these same
+    wrappers), so it needs no entry.
     """
     if not isinstance(model, nn.Module):
         raise RouteTypeError(
@@ -63,6 +71,8 @@ def detect(model: nn.Module) -> Detection:
     layers: list[nn.Module] = []
     wrapper: nn.Module | None = None
     wrapper_adapter: Adapter | None = None
+    entry: nn.Module | None = None
+    entry_adapter: Adapter | None = None
     module = model
     applied: set[tuple[int, int]] = set()  # (id(adapter), id(module)): FSDP2 peels to the same object
     while len(chain) < _MAX_LAYERS and type(module) not in plain_types:
@@ -74,6 +84,8 @@ def detect(model: nn.Module) -> Detection:
                 layers.append(module)
                 if adapter.distributed and wrapper is None:
                     wrapper, wrapper_adapter = module, adapter
+                if adapter.enters and wrapper is None and entry is None:  # only a layer outside the wrapper
+                    entry, entry_adapter = module, adapter
                 module = adapter.peel(module)
                 break
         else:
@@ -83,7 +95,9 @@ def detect(model: nn.Module) -> Detection:
     chain.append("module")
     layers.append(module)
     if wrapper is None or wrapper_adapter is None:
-        return Detection("none", tuple(chain), None, module, tuple(layers))
+        return Detection("none", tuple(chain), None, module, tuple(layers), {}, None, entry, entry_adapter)
+    if entry is None:
+        entry, entry_adapter = wrapper, wrapper_adapter
     return Detection(
         wrapper_adapter.kind,
         tuple(chain),
@@ -92,4 +106,18 @@ def detect(model: nn.Module) -> Detection:
         tuple(layers),
         wrapper_adapter.describe(wrapper),
         wrapper_adapter,
+        entry,
+        entry_adapter,
     )
+
+
+def unrouted_state(module: nn.Module) -> list[str]:
+    """Modules below ``module`` (itself included) carrying torch composable distributed state that no adapter
+    claims, as ``"path (Class): api, ..."``. Activation checkpointing (``checkpoint``) is not distributed."""
+    adapters = registered()
+    found: list[str] = []
+    for name, sub in module.named_modules():
+        apis = [api for api in getattr(sub, _REGISTRY_KEY, None) or () if api != "checkpoint"]
+        if apis and not any(adapter.claims(sub) for adapter in adapters):
+            found.append(f"{name or '<root>'} ({type(sub).__name__}): {', '.join(apis)}")
+    return found

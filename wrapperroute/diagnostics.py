@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -14,8 +14,6 @@ from torch import nn
 
 from .detect import detect
 from .errors import GradSyncError, RouteStateError
-
-_SHARDED = ("fsdp1", "fsdp2", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -52,8 +50,9 @@ def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None,
     """Compare every parameter's gradient across the ranks of ``group``; call on every rank after backward.
 
     Cheap by default: one all-gather of two float64 checksums per parameter; only parameters whose checksums
-    differ are gathered in full to measure the difference. Replicated wrappers (DDP, or no wrapper) must hold
-    identical gradients. Sharded wrappers (FSDP1/2, DeepSpeed) hold a different shard on each rank by design,
+    differ are gathered in full to measure the difference. Replicated wrappers (DDP, composable ``replicate``
+    and its FSDP2-based form, or no wrapper) must hold identical gradients. Sharded wrappers (FSDP1/2, DeepSpeed)
+    hold a different shard on each rank by design,
     so their local gradients are not compared; the report says so (a sharded loss computed outside the
     wrapper fails loudly instead: 1-D shards, DTensor mixes, 0-element ZeRO-3 weights).
     """
@@ -63,12 +62,12 @@ def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None,
             "in a single process there is nothing to compare"
         )
     found = detect(model)
-    if found.kind in _SHARDED:
+    if found.adapter is not None and found.adapter.shards:
         return SyncReport(
             found.kind, 0, 0, 0.0, note=f"{found.kind} shards gradients: local shards differ by design, not compared"
         )
     named = [(n, p) for n, p in found.inner.named_parameters() if p.requires_grad]
-    grads = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for _, p in named]
+    grads = [_local(p.grad.detach() if p.grad is not None else torch.zeros_like(p)) for _, p in named]
     checksums = (
         torch.stack([torch.stack([g.double().sum(), g.double().square().sum()]) for g in grads])
         if grads
@@ -97,6 +96,12 @@ def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None,
     )
 
 
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's local copy (replicate built on FSDP2); any other tensor as it is."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if callable(to_local) else grad
+
+
 @contextmanager
 def guard(model: nn.Module, on_error: Literal["raise", "warn"] = "raise") -> Iterator[None]:
     """Catch the silent DDP desync: gradients produced while DDP's forward did not arm the reducer.
@@ -110,10 +115,11 @@ def guard(model: nn.Module, on_error: Literal["raise", "warn"] = "raise") -> Ite
     if on_error not in ("raise", "warn"):
         raise RouteStateError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
     found = detect(model)
-    if found.kind != "ddp" or found.wrapper is None:
+    if found.kind not in ("ddp", "replicate") or found.wrapper is None:
         yield
         return
     ddp = found.wrapper
+    syncs = _sync_flag(ddp, found.kind)
     state = {"armed": False, "checked": False}  # armed: forward ran since the last backward
 
     def on_forward(module: nn.Module, args: object, output: object) -> None:
@@ -128,11 +134,11 @@ def guard(model: nn.Module, on_error: Literal["raise", "warn"] = "raise") -> Ite
             return
         state["checked"] = True
         torch.autograd.Variable._execution_engine.queue_callback(reset)
-        if state["armed"] or not getattr(ddp, "require_backward_grad_sync", True):
+        if state["armed"] or not syncs():
             return
         reset()  # the backward may abort below, and its end-of-backward callback with it
         message = (
-            f"gradients of a {type(found.inner).__name__} inside DistributedDataParallel were computed without "
+            f"gradients of a {type(found.inner).__name__} under {found.kind!r} were computed without "
             "DDP's forward, so they will not be all-reduced and every rank trains its own model. Compute the "
             "loss through the wrapper: wrapperroute.route_loss(model, unwrapped, loss_fn, ...)."
         )
@@ -147,3 +153,12 @@ def guard(model: nn.Module, on_error: Literal["raise", "warn"] = "raise") -> Ite
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _sync_flag(wrapper: nn.Module, kind: str) -> Callable[[], bool]:
+    """Whether this backward is meant to all-reduce (False under ``no_sync`` / ``set_requires_gradient_sync``)."""
+    if kind == "replicate":
+        from .adapters.replicate import requires_gradient_sync
+
+        return lambda: requires_gradient_sync(wrapper)
+    return lambda: bool(getattr(wrapper, "require_backward_grad_sync", True))

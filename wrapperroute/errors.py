@@ -26,3 +26,9 @@ class RouteStateError(WrapperRouteError, RuntimeError):
 
 class GradSyncError(WrapperRouteError, RuntimeError):
     """Gradients were produced while the distributed wrapper was not armed (raised by :func:`guard`)."""
+
+
+class UnroutedModelWarning(UserWarning):
+    """``route_loss`` found no distributed wrapper on a model with trainable parameters while several ranks run:
+    nothing it can see synchronises that model's gradients. Filter it (``warnings.filterwarnings("ignore",
+    category=UnroutedModelWarning)``) for a module whose gradients are synchronised some other way."""

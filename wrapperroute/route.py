@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ._kept import kept_forward_context
-from .adapters import Adapter
+from ._unrouted import speak_up
+from .adapters import Adapter, registered
 from .adapters.base import NOTHING
 from .detect import Detection, detect, plain_types
 from .errors import RouteStateError, RouteTypeError, RouteValueError
@@ -295,7 +296,7 @@ def _check_inside(found: Detection, unwrapped: nn.Module, role: str) -> None:
     if unwrapped is found.inner:
         return
     if any(
-        layer is unwrapped and kind in ("ddp", "fsdp1", "fsdp2", "deepspeed")
+        layer is unwrapped and any(adapter.kind == kind and adapter.distributed for adapter in registered())
         for layer, kind in zip(found.layers, found.chain, strict=True)
     ):
         raise RouteValueError(
@@ -326,8 +327,8 @@ class _Plan:
     another while the old one lives on elsewhere is not noticed: route the new model object.)
     """
 
-    __slots__ = ("adapter", "check", "checked", "inner_ref", "inner_type", "kind", "model_ref", "model_type",
-                 "plain", "replicated", "state", "target_ref", "wrapper_ref")  # fmt: skip
+    __slots__ = ("adapter", "check", "checked", "entry_ref", "inner_ref", "inner_type", "kind", "lasting",
+                 "model_ref", "model_type", "plain", "replicated", "state", "target_ref", "wrapper_ref")  # fmt: skip
 
     def __init__(self, model: nn.Module) -> None:
         found = detect(model)  # first: it names a non-module argument clearly
@@ -337,7 +338,16 @@ class _Plan:
         self.inner_ref = weakref.ref(found.inner)
         self.inner_type = type(found.inner)
         wrapper, adapter = found.wrapper, found.adapter
+        self.lasting = True  # False: answered for this call only, not kept (see _unrouted.speak_up)
+        if wrapper is None:
+            self.lasting = speak_up(model, found)
+            # No distributed wrapper, but a layer whose forward must still run (Fabric on one device): route
+            # through that layer alone.
+            wrapper, adapter = found.entry, found.entry_adapter
         self.wrapper_ref: Callable[[], nn.Module | None] = _no_wrapper
+        self.entry_ref: Callable[[], nn.Module | None] = _no_wrapper  # called instead of the wrapper, if set
+        if found.entry is not None and found.entry is not wrapper:
+            self.entry_ref = weakref.ref(found.entry)
         self.adapter = adapter
         self.target_ref: Callable[[], nn.Module | None] = _no_wrapper
         self.state: _Redirection | None = None
@@ -376,13 +386,26 @@ class _Plan:
 
 
 _plans: dict[int, _Plan] = {}
+# id -> class of the planned models with nothing to route through (and already spoken of): route_loss's fast
+# path, one dict lookup. A class change (fully_shard after a first call) misses it and plans again.
+_plain_models: dict[int, type] = {}
+
+
+def _forget(key: int) -> None:
+    _plans.pop(key, None)
+    _plain_models.pop(key, None)
 
 
 def _new_plan(model: nn.Module) -> _Plan:
     plan = _Plan(model)
-    if id(model) not in _plans:
-        weakref.finalize(model, _plans.pop, id(model), None)
-    _plans[id(model)] = plan
+    if not plan.lasting:
+        return plan
+    key = id(model)
+    if key not in _plans:
+        weakref.finalize(model, _forget, key)
+    _plans[key] = plan
+    if plan.state is None and type(model) in plain_types:
+        _plain_models[key] = type(model)
     return plan
 
 
@@ -442,8 +465,8 @@ def route_loss(
         )
     if mode != "auto" and mode not in MODES:
         raise RouteValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if type(model) in plain_types and gather is None and (unwrapped is None or unwrapped is model):
-        return fn(*args, **kwargs)  # a plain module, already seen by detect: nothing to route through
+    if gather is None and _plain_models.get(id(model)) is type(model) and (unwrapped is None or unwrapped is model):
+        return fn(*args, **kwargs)  # a plain module already planned (and spoken of): nothing to route through
     plan = _plans.get(id(model))
     # The step's common case: a plan for this model (dropped with it) whose class and wrapper are unchanged.
     wrapper = plan.wrapper_ref() if plan is not None and plan.model_type is type(model) else None
@@ -468,7 +491,7 @@ def route_loss(
         # so a plain call. (With calls of ours in flight, the flag may be another thread's: _call_through's
         # concurrency check decides.)
         return fn(*args, **kwargs)
-    if not dist.is_initialized():
+    if not dist.is_initialized() and adapter.distributed:
         raise RouteStateError(
             f"model is a {plan.kind!r} wrapper but torch.distributed has no process group (never initialised, "
             "or destroyed): its forward cannot synchronise anything. Call torch.distributed.init_process_group "
@@ -492,7 +515,7 @@ def route_loss(
     target = plan.target_ref()
     hooks_enabled = _saved_tensor_hooks_enabled()
     try:
-        return _call_through(wrapper, adapter, target, state, fn, args, kwargs, extra, plan.check)
+        return _call_through(wrapper, adapter, target, state, fn, args, kwargs, extra, plan.check, plan.entry_ref())
     except _RefusedError:
         raise  # nothing was entered; the wrapper belongs to the thread inside it: leave it alone
     except BaseException as error:  # KeyboardInterrupt too: a notebook user may go on training
@@ -512,7 +535,7 @@ def route_loss(
     )
     try:
         isolated = (adapter, True, modules, nested)
-        return _call_through(wrapper, adapter, target, state, fn, args, kwargs, isolated, plan.check)
+        return _call_through(wrapper, adapter, target, state, fn, args, kwargs, isolated, plan.check, plan.entry_ref())
     except BaseException:
         _recover(adapter, wrapper)
         raise
@@ -574,7 +597,9 @@ def _call_through(
     kwargs: dict[str, Any],
     extra: tuple[Adapter, bool, tuple[nn.Module, ...], tuple[nn.Module, ...]] | None,
     check: Callable[[nn.Module, Any], None] | None,
+    entry: nn.Module | None = None,
 ) -> T:
+    """Call ``entry`` (else ``wrapper``) with a token whose loss runs in ``target``'s swapped forward."""
     if target is None or state is None:  # a nested shard unit: looked up per call (FSDP1, not the hot path)
         target = adapter.redirect_target(wrapper)
         state = _redirection_for(target)
@@ -606,7 +631,7 @@ def _call_through(
             state.count += 1
             state.grad_calls += grad
             entered = True
-        result: T = wrapper(call)
+        result: T = (wrapper if entry is None else entry)(call)
     except BaseException as error:
         if entered and not call.ran:  # the wrapper's own error, or a mangled token
             _add_note(

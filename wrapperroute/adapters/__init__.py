@@ -1,7 +1,7 @@
 """One adapter per wrapper family, behind :class:`~wrapperroute.adapters.base.Adapter`.
 
-Optional families (DeepSpeed, PEFT) are consulted only once their package is imported: a model cannot be a
-``DeepSpeedEngine`` unless ``deepspeed`` was imported, so wrapperroute never imports it itself.
+Optional families (DeepSpeed, PEFT, Lightning Fabric) are consulted only once their package is imported: a
+model cannot be a ``DeepSpeedEngine`` unless ``deepspeed`` was imported, so wrapperroute never imports it itself.
 """
 
 from __future__ import annotations
@@ -12,13 +12,23 @@ from .base import Adapter
 from .compile import CompileAdapter
 from .ddp import DDPAdapter
 from .fsdp1 import FSDP1Adapter
-from .fsdp2 import FSDP2Adapter
+from .fsdp2 import FSDP2Adapter, ReplicateFSDPAdapter
+from .replicate import ReplicateAdapter
 
-_CORE: tuple[Adapter, ...] = (CompileAdapter(), DDPAdapter(), FSDP1Adapter(), FSDP2Adapter())
+_CORE: tuple[Adapter, ...] = (
+    CompileAdapter(),
+    DDPAdapter(),
+    FSDP1Adapter(),
+    FSDP2Adapter(),
+    ReplicateFSDPAdapter(),
+    ReplicateAdapter(),
+)
 # package name -> (module path, adapter class name)
 _OPTIONAL: dict[str, tuple[str, str]] = {
     "deepspeed": ("wrapperroute.adapters.deepspeed", "DeepSpeedAdapter"),
     "peft": ("wrapperroute.adapters.peft", "PeftAdapter"),
+    "lightning": ("wrapperroute.adapters.fabric", "FabricAdapter"),
+    "lightning_fabric": ("wrapperroute.adapters.fabric", "StandaloneFabricAdapter"),
 }
 _loaded_optional: dict[str, Adapter] = {}
 

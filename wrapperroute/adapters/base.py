@@ -25,10 +25,19 @@ class Adapter:
     distributed
         True when the layer's forward arms gradient synchronisation or gathers parameters, i.e. when a loss
         must run *inside* its forward.
+    shards
+        True when each rank holds a different part of the parameters and gradients by design (FSDP, ZeRO):
+        :func:`wrapperroute.check_grad_sync` then does not compare local gradients across ranks.
+    enters
+        True for a layer that is not distributed itself but whose own forward must run around the wrapper's
+        (Lightning Fabric's precision context): :func:`wrapperroute.route_loss` calls that layer, not the
+        wrapper inside it.
     """
 
     kind: ClassVar[str] = "?"
     distributed: ClassVar[bool] = False
+    shards: ClassVar[bool] = False
+    enters: ClassVar[bool] = False
 
     def claims(self, module: nn.Module) -> bool:
         """Whether ``module`` is a layer of this family."""

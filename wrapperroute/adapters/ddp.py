@@ -66,33 +66,32 @@ class DDPAdapter(Adapter):
     def inside(
         self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]
     ) -> contextlib.AbstractContextManager[Any]:
-        return _without_graph_optimizer() if isolate else NOTHING
+        return without_graph_optimizer() if isolate else NOTHING
 
     def result_check(self, wrapper: nn.Module) -> Callable[[nn.Module, Any], None] | None:
         ddp: DistributedDataParallel = wrapper  # type: ignore[assignment]
         return _check_reachable if ddp.find_unused_parameters else None  # fixed at construction
 
     def concurrency_error(self, wrapper: nn.Module, grad: bool, grad_calls: int) -> str | None:
-        # Gradient sync state (the reducer) is per model: one recorded forward per backward. A no-grad forward
-        # leaves the reducer alone, unless it broadcasts buffers (a collective racing the other thread's).
         ddp: DistributedDataParallel = wrapper  # type: ignore[assignment]
-        if ddp.will_sync_module_buffers():
-            return "this DDP broadcasts module buffers in every forward, and two threads' broadcasts would race"
-        if grad and grad_calls:
-            return "DDP's reducer arms one forward per backward, so two grad-enabled forwards would corrupt it"
-        return None
+        return concurrency_reason(ddp, grad, grad_calls)
 
     def process_group(self, wrapper: nn.Module) -> Any:
         return wrapper.process_group
 
 
 def _check_reachable(wrapper: nn.Module, result: Any) -> None:
+    ddp: DistributedDataParallel = wrapper  # type: ignore[assignment]
+    check_loss_reachable(ddp, result)
+
+
+def check_loss_reachable(ddp: DistributedDataParallel, result: Any) -> None:
+    """Reject, before DDP's post-forward sees it, a loss it cannot reach under ``find_unused_parameters``."""
     # With find_unused_parameters, _post_forward walks the output (_find_tensors: tensors, lists, tuples,
     # dicts, dataclasses) and marks every parameter it cannot reach as unused. A loss it cannot see (no
     # tensor, detached, or held in another object) gets every parameter marked unused, and the backward
     # then fails with DDP's misleading "marked as ready twice". Raised here, before _post_forward, the
     # reducer is left unprepared: the next step runs normally.
-    ddp: DistributedDataParallel = wrapper  # type: ignore[assignment]
     if not (ddp.require_backward_grad_sync and torch.is_grad_enabled()):
         return
     if any(t.requires_grad for t in _find_tensors(result)):
@@ -103,6 +102,17 @@ def _check_reachable(wrapper: nn.Module, result: Any) -> None:
         "('marked as ready twice'). Return the loss tensor (alone or in a tuple, list, dict or dataclass); "
         "for a call that computes no loss (metrics, evaluation) run route_loss under torch.no_grad()."
     )
+
+
+def concurrency_reason(ddp: DistributedDataParallel, grad: bool, grad_calls: int) -> str | None:
+    """Why a DDP forward may not overlap another thread's, or None when it may."""
+    # Gradient sync state (the reducer) is per model: one recorded forward per backward. A no-grad forward
+    # leaves the reducer alone, unless it broadcasts buffers (a collective racing the other thread's).
+    if ddp.will_sync_module_buffers():
+        return "this DDP broadcasts module buffers in every forward, and two threads' broadcasts would race"
+    if grad and grad_calls:
+        return "DDP's reducer arms one forward per backward, so two grad-enabled forwards would corrupt it"
+    return None
 
 
 _RUN_FORWARD = DistributedDataParallel._run_ddp_forward.__code__
@@ -136,7 +146,7 @@ def _clear_if_stale(active: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def _without_graph_optimizer() -> Iterator[None]:
+def without_graph_optimizer() -> Iterator[None]:
     # Same save/restore discipline as DDP's own ``_inside_ddp_forward`` (nested DDP).
     previous = DistributedDataParallel._active_ddp_module
     DistributedDataParallel._active_ddp_module = None

@@ -37,6 +37,7 @@ def _stage(engine: DeepSpeedEngine) -> int:
 class DeepSpeedAdapter(Adapter):
     kind = "deepspeed"
     distributed = True
+    shards = True
 
     def claims(self, module: nn.Module) -> bool:
         return isinstance(module, DeepSpeedEngine)

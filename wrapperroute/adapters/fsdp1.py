@@ -26,6 +26,7 @@ def _is_unit(module: nn.Module) -> bool:
 class FSDP1Adapter(Adapter):
     kind = "fsdp1"
     distributed = True
+    shards = True
 
     def claims(self, module: nn.Module) -> bool:
         return isinstance(module, FullyShardedDataParallel)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -23,25 +22,16 @@ try:  # exported here since torch 2.6
 except ImportError:  # torch 2.4-2.5
     from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef,unused-ignore]
 
+try:  # torch >= 2.10: replicate() built on FSDP2 (a ReplicateModule is an FSDPModule)
+    from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+except ImportError:
+    ReplicateModule = None  # type: ignore[assignment,misc]
+
+from ._hooks import hooks_set_aside, put_hooks_back
 from ._units import units_for
 from .base import Adapter
 
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs")
 _auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = weakref.WeakKeyDictionary()
-
-
-# Hook dicts set aside while a loss runs, until put back (by the loss's exit, or by recover() after a fault).
-_set_aside: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
-
-
-def _put_hooks_back(unit: nn.Module, saved: dict[str, Any] | None = None) -> None:
-    """Put back the unit's hooks still set aside (``saved``: only those; a generator closed late must not put
-    back over a later step's)."""
-    aside = _set_aside.get(unit)
-    if aside is None or (saved is not None and aside is not saved):
-        return
-    unit.__dict__.update(aside)
-    del _set_aside[unit]  # last: until the hooks are back, recover() must still find them
 
 
 def _is_unit(module: nn.Module) -> bool:
@@ -51,9 +41,10 @@ def _is_unit(module: nn.Module) -> bool:
 class FSDP2Adapter(Adapter):
     kind = "fsdp2"
     distributed = True
+    shards = True
 
     def claims(self, module: nn.Module) -> bool:
-        return isinstance(module, FSDPModule)
+        return isinstance(module, FSDPModule) and not _replicates(module)
 
     def peel(self, module: nn.Module) -> nn.Module:
         return module
@@ -67,7 +58,7 @@ class FSDP2Adapter(Adapter):
 
     def recover(self, wrapper: nn.Module) -> None:
         for unit in wrapper.modules():  # the root, or a nested group whose forward the loss was routed through
-            _put_hooks_back(unit)
+            put_hooks_back(unit)
         # FSDP2's documented recovery after a forward that raised (torch >= 2.13): reshard every group and
         # clear the iteration's trackers; otherwise the root stays in FORWARD with iter_forward_root set.
         reset = getattr(wrapper, "reset_iter_state", None)
@@ -93,16 +84,23 @@ class FSDP2Adapter(Adapter):
     def nested_units(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
         return units_for(wrapper, wrapper, gather, _is_unit, _auto_units)
 
-    @contextlib.contextmanager
-    def inside(self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]) -> Iterator[None]:
-        # Set FSDP's hooks aside (not cleared in place: the dicts are FSDP's own objects). All four in one
-        # dict update each way, and recorded for recover(): a Ctrl-C landing between two Python calls (even in
-        # contextlib's own frames, leaving this generator suspended) must not leave the unit without hooks.
-        attributes = wrapper.__dict__
-        saved = {name: attributes[name] for name in _HOOK_DICTS}
-        _set_aside[wrapper] = saved
-        try:
-            attributes.update({name: type(hooks)() for name, hooks in saved.items()})
-            yield
-        finally:
-            _put_hooks_back(wrapper, saved)
+    def inside(
+        self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]
+    ) -> contextlib.AbstractContextManager[Any]:
+        return hooks_set_aside(wrapper)
+
+
+def _replicates(module: nn.Module) -> bool:
+    return ReplicateModule is not None and isinstance(module, ReplicateModule)
+
+
+class ReplicateFSDPAdapter(FSDP2Adapter):
+    """``torch.distributed._composable.replicate_with_fsdp.replicate``: FSDP2's machinery over a replicate-only
+    mesh. Parameters are ``DTensor(Replicate())``, gradients all-reduced in FSDP2's post-backward; routed exactly
+    as FSDP2 (nested ``replicate`` groups included), but named apart: it replicates, it does not shard."""
+
+    kind = "replicate_fsdp"
+    shards = False
+
+    def claims(self, module: nn.Module) -> bool:
+        return _replicates(module)

@@ -63,6 +63,16 @@ def _fused_ce(model: TinyCausalLM, batch: Batch, extras: dict[str, Any]) -> torc
     return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
 
 
+def _backbone_ce(model: TinyCausalLM, batch: Batch, extras: dict[str, Any]) -> torch.Tensor:
+    # The submodules called one by one, never the root: HF's ``unwrapped.model(...)`` then the head's weight.
+    # Where the wrapper is the root's own forward hooks (composable replicate, FSDP2), this skips them too.
+    hidden = model.embed(batch["input_ids"])
+    for block in model.blocks:
+        hidden = block(hidden)
+    logits = hidden @ model.lm_head.weight.t()
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+
+
 # --- Liger chunked preference losses (torch.func inside torch.compile) --------------------------------------
 
 # Large enough that the two requires-grad heads span >= 2 DDP buckets: the seed's crash.
@@ -159,6 +169,7 @@ def _func_chunked(model: TinyCausalLM, batch: Batch, extras: dict[str, Any]) -> 
 
 LOSSES: dict[str, LossCase] = {
     "fused_ce": LossCase("fused_ce", _ce_batch, _fused_ce),
+    "backbone_ce": LossCase("backbone_ce", _ce_batch, _backbone_ce),
     "liger_dpo": LossCase(
         "liger_dpo",
         _pair_batch,

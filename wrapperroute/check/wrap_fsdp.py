@@ -86,25 +86,38 @@ def fsdp2_api() -> Fsdp2Api:
 
 def build_fsdp2(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
     """opts: ``groups`` ("root": root only; "layers": each block and lm_head their own group; "layers_tied":
-    blocks their own groups, embedding and tied lm_head one group), ``mp`` (a
-    ``param_dtype`` name for ``MixedPrecisionPolicy``)."""
+    blocks their own groups, embedding and tied lm_head one group; "tail": blocks their own groups but the last,
+    which shares one group with lm_head, kept unsharded after forward, as accelerate's FSDP2 plugin builds the
+    final norm and lm_head), ``reshard`` (``reshard_after_forward`` of the nested groups: True, False, or an
+    int, resharding to that many ranks), ``hsdp`` (a 2-D mesh, replicate x shard, over ranks in pairs), ``mp``
+    (a ``param_dtype`` name for ``MixedPrecisionPolicy``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     _, MixedPrecisionPolicy, fully_shard, DTensor = fsdp2_api()
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if opts.get("hsdp"):
+        if world < 4 or world % 2:
+            raise ValueError(f"HSDP needs an even number of ranks, at least 4 (got {world})")
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     kwargs: dict[str, Any] = {"mesh": mesh}
     if opts.get("mp"):
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, opts["mp"]))
     groups = opts.get("groups", "root")
-    if groups in ("layers", "layers_tied"):
-        for block in model.get_submodule("blocks").children():
-            fully_shard(block, **kwargs)
+    nested = {**kwargs, "reshard_after_forward": opts.get("reshard", True)}
+    if groups in ("layers", "layers_tied", "tail"):
+        blocks = list(model.get_submodule("blocks").children())
         head = model.get_submodule("lm_head")
+        for block in blocks[:-1] if groups == "tail" else blocks:
+            fully_shard(block, **nested)
         if groups == "layers_tied":  # a tied embedding and head must share one group
-            fully_shard([model.get_submodule("embed"), head], **kwargs)
+            fully_shard([model.get_submodule("embed"), head], **nested)
+        elif groups == "tail":
+            fully_shard([blocks[-1], head], **{**kwargs, "reshard_after_forward": False})
         else:
-            fully_shard(head, **kwargs)
+            fully_shard(head, **nested)
     # The root keeps its parameters unsharded after forward by default, which hides the bug for losses that
     # call the root itself; resharding it (a legitimate memory setting) makes an unrouted read fail.
     fully_shard(model, reshard_after_forward=opts.get("reshard_root", True), **kwargs)
@@ -115,6 +128,34 @@ def build_fsdp2(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
             name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else torch.zeros(p.shape)).detach().clone()
             for name, p in model.named_parameters()
         }
+
+    @contextlib.contextmanager
+    def no_sync() -> Iterator[None]:
+        root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+
+    return Wrapped(model, model, no_sync, full_grads, _sgd(model.parameters()))
+
+
+def build_replicate_fsdp(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
+    """``replicate`` built on FSDP2 (``torch.distributed._composable.replicate_with_fsdp``). opts:
+    ``lm_head_group`` (lm_head replicated as its own group, default False)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    if opts.get("lm_head_group", False):
+        replicate(model.get_submodule("lm_head"))
+    replicate(model)
+    root: Any = model
+
+    def full_grads() -> dict[str, torch.Tensor]:
+        grads: dict[str, torch.Tensor] = {}
+        for name, p in model.named_parameters():
+            grad = p.grad if p.grad is not None else torch.zeros(p.shape)
+            grads[name] = (grad.to_local() if hasattr(grad, "to_local") else grad).detach().clone()
+        return grads
 
     @contextlib.contextmanager
     def no_sync() -> Iterator[None]:

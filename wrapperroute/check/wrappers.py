@@ -39,9 +39,12 @@ class WrapperCase:
     requires: str | None = None
     defaults: tuple[tuple[str, Any], ...] = ()  # options merged under the cell's own
     cpu_torch: tuple[tuple[int, int], str] | None = None  # (oldest torch it runs right on CPU/gloo, why)
+    min_ranks: int = 2  # fewer ranks make the layout degenerate (HSDP's 2-D mesh, resharding to 2 of 4 ranks)
 
-    def unavailable(self) -> str | None:
-        """Why this wrapper cannot be checked here (on CPU ranks), or None."""
+    def unavailable(self, nproc: int | None = None) -> str | None:
+        """Why this wrapper cannot be checked here (on CPU ranks; on ``nproc`` of them, if given), or None."""
+        if nproc is not None and nproc < self.min_ranks:
+            return f"needs at least {self.min_ranks} ranks (--nproc {self.min_ranks})"
         missing = missing_package(self.requires)
         if missing is not None:
             return missing
@@ -97,9 +100,57 @@ def build_ddp(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
     return Wrapped(ddp, model, ddp.no_sync, _replicated_grads(model), _sgd(ddp.parameters()))
 
 
+def build_replicate(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
+    """torch's composable ``replicate()`` (DDP with no wrapper object); opts are DDP's."""
+    from torch.distributed._composable.replicate import replicate
+
+    replicate(model, **opts)
+    module: Any = model
+
+    @contextlib.contextmanager
+    def no_sync() -> Iterator[None]:
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+
+    return Wrapped(model, model, no_sync, _replicated_grads(model), _sgd(model.parameters()))
+
+
+def build_fabric(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
+    """Lightning Fabric over the ranks already running: ``strategy`` (default "ddp"), ``precision``. The loss
+    reads ``fabric_module.module`` (the user's model), the pattern that bypasses Fabric's forward."""
+    import os
+
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=opts.get("strategy", "ddp"),
+        precision=opts.get("precision", "32-true"),
+    )
+    # LOCAL_RANK is set, so Fabric's environment creates no processes; the process group exists already, so
+    # launch() only sets up the strategy.
+    fabric.launch()
+    module = fabric.setup_module(model)
+    optimizer: Any = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5))
+
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    inner: nn.Module = module.module
+    no_sync = lambda: fabric.no_backward_sync(module)  # noqa: E731
+    return Wrapped(module, inner, no_sync, _replicated_grads(inner), step, fabric.backward)
+
+
 WRAPPERS: dict[str, WrapperCase] = {
     "none": WrapperCase("none", f"{__name__}:build_none"),
     "ddp": WrapperCase("ddp", f"{__name__}:build_ddp"),
+    "replicate": WrapperCase("replicate", f"{__name__}:build_replicate"),
+    "fabric_ddp": WrapperCase("fabric_ddp", f"{__name__}:build_fabric", "lightning"),
     "fsdp1": WrapperCase("fsdp1", "wrapperroute.check.wrap_fsdp:build_fsdp1"),
     "fsdp2": WrapperCase(
         "fsdp2",
@@ -109,6 +160,26 @@ WRAPPERS: dict[str, WrapperCase] = {
         # plain model(...) step's, routed or not. Right in 2.9.1 and 2.13.0. (2.5 not measured.)
         cpu_torch=((2, 9), "before 2.9, fully_shard on gloo fails or sums gradients instead of averaging them"),
     ),
+    "replicate_fsdp": WrapperCase(
+        "replicate_fsdp",
+        "wrapperroute.check.wrap_fsdp:build_replicate_fsdp",
+        "torch.distributed._composable.replicate_with_fsdp",  # absent from older torch
+    ),
+    **{
+        name: WrapperCase(
+            name,
+            "wrapperroute.check.wrap_fsdp:build_fsdp2",
+            defaults=defaults,
+            cpu_torch=((2, 9), "before 2.9, fully_shard on gloo fails or sums gradients instead of averaging them"),
+            min_ranks=4,
+        )
+        for name, defaults in (
+            ("hsdp", (("hsdp", True), ("groups", "layers"))),
+            ("fsdp2_tail", (("groups", "tail"),)),
+            ("fsdp2_keep", (("groups", "layers"), ("reshard", False))),
+            ("fsdp2_reshard2", (("groups", "layers"), ("reshard", 2))),
+        )
+    },
     **{
         f"zero{stage}": WrapperCase(
             f"zero{stage}", "wrapperroute.check.wrap_deepspeed:build_zero", "deepspeed", (("stage", stage),)

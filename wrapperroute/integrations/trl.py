@@ -1,12 +1,21 @@
-"""TRL integration: a drop-in ``_ForwardRedirection`` and ``patch_trl()`` for the DPO/KTO Liger desync.
+"""TRL integration: a drop-in ``_ForwardRedirection`` and ``patch_trl()`` for the DPO/KTO Liger paths.
 
-TRL 1.10-1.13 ``DPOTrainer``/``KTOTrainer.compute_loss`` with ``use_liger_kernel=True`` route the fused Liger
-loss through the wrapper only under ZeRO-3 or FSDP; under plain DDP they run it on the unwrapped model, so
-``DDP.forward`` never arms the reducer and every rank keeps its own gradients. The obvious fix (route through
-TRL's ``_forward_redirection``) crashes instead: the Liger loss is a compiled ``torch.func`` loss and, with the
-reference head unfrozen, DDP's graph optimizer splits it inside the transform ("Cannot access storage of
-TensorWrapper"). :func:`patch_trl` routes it through :func:`wrapperroute.route_loss`, isolated from that
-optimizer.
+``DPOTrainer``/``KTOTrainer`` with ``use_liger_kernel=True`` call ``_compute_loss_liger``, which reads the
+model's weights directly. TRL releases differ in what they pass it, and so in how they fail (TRL issue #7245
+and the TRL pull request that followed):
+
+- the *unwrapped* model, outside the wrapper's forward (routed only under ZeRO-3 or FSDP): under DDP the
+  reducer is never armed and every rank keeps its own gradients (a silent desync);
+- the *wrapper itself*, where the Liger code reads ``model.base_model``: ``AttributeError`` under DDP;
+- later releases route the loss through the wrapper themselves, or no longer have the method.
+
+The obvious fix (route through TRL's ``_forward_redirection``) crashes: the Liger loss is a compiled
+``torch.func`` loss and, with the reference head unfrozen, DDP's graph optimizer splits it inside the
+transform ("Cannot access storage of TensorWrapper"). :func:`patch_trl` therefore wraps ``_compute_loss_liger``
+wherever the installed trainer defines it, and decides on every call from what that call receives: the
+wrapper itself (unwrapped with ``accelerator.unwrap_model`` and routed through it), the unwrapped model while
+``compute_loss`` got a wrapper (routed through that wrapper), or a call already inside the wrapper's forward
+(called as it is). No version number decides anything.
 
 This module imports TRL only when :func:`patch_trl` runs; :class:`ForwardRedirection` never imports it.
 """
@@ -16,8 +25,8 @@ from __future__ import annotations
 import contextvars
 import functools
 import importlib
+import importlib.util
 import logging
-import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,10 +40,15 @@ from ..route import Mode, route_loss
 log = logging.getLogger("wrapperroute")
 
 _MISSING = object()
-# TRL versions whose DPO/KTO ``compute_loss`` skip the wrapper under DDP with ``use_liger_kernel=True``:
-# 1.10 introduced the unwrapped call, 1.14 routes whenever ``model is not unwrapped_model``.
-_AFFECTED = ((1, 10), (1, 14))
-_LIGER_TRAINERS = (("trl.trainer.dpo_trainer", "DPOTrainer"), ("trl.trainer.kto_trainer", "KTOTrainer"))
+# Where TRL releases keep the trainers with a Liger loss method (KTO was experimental before it moved): looked
+# up in the installed package, each only if it is there.
+_LIGER_TRAINERS = (
+    ("trl.trainer.dpo_trainer", "DPOTrainer"),
+    ("trl.trainer.kto_trainer", "KTOTrainer"),
+    ("trl.experimental.kto.kto_trainer", "KTOTrainer"),
+)
+# (trainer class name, path) -> calls seen: what the patched method did (see _routed_liger).
+liger_paths: dict[tuple[str, str], int] = {}
 
 
 class ForwardRedirection:
@@ -132,11 +146,6 @@ _applied: dict[str, tuple[Any, str, Any]] = {}
 _outer_model: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVar("wrapperroute_trl_outer", default=None)
 
 
-def _version(text: str) -> tuple[int, int]:
-    match = re.match(r"(\d+)\.(\d+)", text)
-    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
-
-
 def _set(label: str, owner: Any, attribute: str, value: Any) -> None:
     if label not in _applied:
         _applied[label] = (owner, attribute, owner.__dict__.get(attribute, _MISSING))
@@ -157,16 +166,32 @@ def _routed_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _routed_liger(original: Callable[..., Any], mode: Mode) -> Callable[..., Any]:
+    owner = original.__qualname__.split(".")[0]
+
     @functools.wraps(original)
-    def _compute_loss_liger(self: Any, model: nn.Module, inputs: Any, return_outputs: bool) -> Any:
+    def _compute_loss_liger(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if detect(model).distributed:
+            # This TRL passes the wrapper where its Liger code reads the model (``model.base_model``): give
+            # it the model it expects, inside that wrapper's forward.
+            inner = self.accelerator.unwrap_model(model)
+            _seen(owner, "wrapper passed: unwrapped and routed")
+            return route_loss(model, inner, functools.partial(original, self, inner, *args, **kwargs), mode=mode)
         outer = _outer_model.get()
-        if outer is None or outer is model:
-            return original(self, model, inputs, return_outputs)
-        # Already inside the wrapper (TRL's own ZeRO-3/FSDP redirection): route_loss just calls it.
-        return route_loss(outer, model, functools.partial(original, self, model, inputs, return_outputs), mode=mode)
+        if outer is None or outer is model or not detect(outer).distributed:
+            _seen(owner, "no wrapper: called as it is")
+            return original(self, model, *args, **kwargs)
+        # The unwrapped model while compute_loss got a wrapper: routed through it. Already inside its forward
+        # (the trainer's own ZeRO-3/FSDP redirection), route_loss calls the loss as it is.
+        _seen(owner, "unwrapped model passed: routed")
+        return route_loss(outer, model, functools.partial(original, self, model, *args, **kwargs), mode=mode)
 
     _compute_loss_liger.__wrapperroute_original__ = original  # type: ignore[attr-defined]
     return _compute_loss_liger
+
+
+def _seen(owner: str, path: str) -> None:
+    key = (owner, path)
+    liger_paths[key] = liger_paths.get(key, 0) + 1
 
 
 def _trl_redirection_modules(cls: Any) -> list[Any]:
@@ -182,38 +207,48 @@ def _trl_redirection_modules(cls: Any) -> list[Any]:
 def patch_trl(mode: Mode = "isolate", forward_redirection: bool = True) -> TrlPatch:
     """Make the installed TRL's trainers route their fused losses through wrapperroute. Idempotent.
 
-    - DPO and KTO (TRL 1.10-1.13, ``use_liger_kernel=True``): the Liger loss runs inside the wrapper's forward
-      under every wrapper, DDP included. ``mode`` defaults to ``"isolate"``: both losses are compiled
-      ``torch.func`` losses that DDP's graph optimizer can fail to split, so they skip it from the first call
-      instead of failing once (a wasted compile) and falling back.
+    - DPO and KTO with ``use_liger_kernel=True``: wherever the installed trainer class defines
+      ``_compute_loss_liger``, it is wrapped (with ``compute_loss``, which records the model it received) and
+      routed per call as the module docstring says; a class without that method is left alone and named in the
+      note. ``mode`` defaults to ``"isolate"``: both losses are compiled ``torch.func`` losses that DDP's
+      graph optimizer can fail to split, so they skip it from the first call instead of failing once (a
+      wasted compile) and falling back.
     - ``forward_redirection``: ``trl.models.utils._ForwardRedirection`` and every loaded TRL module's
       ``_ForwardRedirection`` become :class:`ForwardRedirection` (GRPO, distillation...), so trainers built
       from now on restore the forward on exceptions and get the functorch fallback.
 
-    Returns what is patched now; on a TRL that needs no DPO/KTO fix the note says so and only the
-    redirection (if asked) is replaced. Raises ``ImportError`` when TRL is not installed.
+    Returns what is patched now, with a note on what was left alone and why. Raises ``ImportError`` when TRL is
+    not installed.
     """
     import trl
 
-    version = str(getattr(trl, "__version__", "0"))
+    version = str(getattr(trl, "__version__", "unknown"))
     notes: list[str] = []
-    if _AFFECTED[0] <= _version(version) < _AFFECTED[1]:
-        for module_name, class_name in _LIGER_TRAINERS:
-            cls = getattr(importlib.import_module(module_name), class_name)
-            if not hasattr(cls, "_compute_loss_liger"):
-                notes.append(f"{class_name} has no _compute_loss_liger: left alone")
-                continue
-            label = f"{module_name}.{class_name}"
-            if f"{label}.compute_loss" not in _applied:
-                _set(f"{label}.compute_loss", cls, "compute_loss", _routed_compute_loss(cls.compute_loss))
-                _set(f"{label}._compute_loss_liger", cls, "_compute_loss_liger",
-                     _routed_liger(cls._compute_loss_liger, mode))  # fmt: skip
-    else:
-        notes.append(f"TRL {version}: DPO/KTO compute_loss already route their Liger loss (fixed in 1.14)")
+    found = 0
+    for module_name, class_name in _LIGER_TRAINERS:
+        if not _importable(module_name):
+            continue
+        cls = getattr(importlib.import_module(module_name), class_name, None)
+        if cls is None:
+            continue
+        found += 1
+        label = f"{module_name}.{class_name}"
+        if "_compute_loss_liger" not in vars(cls) and f"{label}._compute_loss_liger" not in _applied:
+            notes.append(f"{label} defines no _compute_loss_liger (its Liger path, if any, is TRL's own): left alone")
+            continue
+        if f"{label}.compute_loss" not in _applied:
+            _set(f"{label}.compute_loss", cls, "compute_loss", _routed_compute_loss(cls.compute_loss))
+            _set(f"{label}._compute_loss_liger", cls, "_compute_loss_liger",
+                 _routed_liger(cls._compute_loss_liger, mode))  # fmt: skip
+    if not found:
+        notes.append(f"TRL {version} has no DPOTrainer or KTOTrainer")
     if forward_redirection:
-        utils = importlib.import_module("trl.models.utils")
+        utils = importlib.import_module("trl.models.utils") if _importable("trl.models.utils") else None
         key = "trl.models.utils._ForwardRedirection"
-        original = _applied[key][2] if key in _applied else utils.__dict__.get("_ForwardRedirection", _MISSING)
+        original = (
+            _applied[key][2] if key in _applied else utils.__dict__.get("_ForwardRedirection", _MISSING)
+            if utils is not None else _MISSING
+        )  # fmt: skip
         if original is _MISSING:
             notes.append(f"TRL {version} has no _ForwardRedirection: nothing to replace")
         else:
@@ -223,6 +258,13 @@ def patch_trl(mode: Mode = "isolate", forward_redirection: bool = True) -> TrlPa
     log.info("wrapperroute.patch_trl: patched %s%s", list(result.patched) or "nothing",
              f" ({result.note})" if result.note else "")  # fmt: skip
     return result
+
+
+def _importable(module_name: str) -> bool:
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def unpatch_trl() -> TrlPatch:

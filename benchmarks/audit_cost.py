@@ -1,0 +1,93 @@
+"""What ``wrapperroute audit`` costs a training step: audited / plain, same run, interleaved.
+
+    python3 benchmarks/audit_cost.py            # ~10M-parameter DDP model, 2 CPU ranks (a few minutes)
+    python3 benchmarks/audit_cost.py --quick    # a smoke run
+
+Each repetition times a block of optimizer steps with the audit's hook installed and a block without, in
+alternating order; the ratio is the median of the per-repetition ratios. ``every step``: ``--steps all``;
+``default``: ``--steps 3`` over a 100-step block (what a run pays once its first three steps are audited).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import bench_ranks  # noqa: E402
+
+from wrapperroute.ranks import RankPool  # noqa: E402
+
+
+def audited_step_ratio(size: str, reps: int, steps: int | None, block: int) -> dict[str, Any]:
+    """On every rank: ``block`` routed DDP steps with the audit (auditing ``steps``; None: every step) against
+    ``block`` plain ones."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from wrapperroute import route_loss
+    from wrapperroute.audit import Audit
+
+    config = bench_ranks.SIZES[size]
+    inner = bench_ranks.build_model(config)
+    model = DDP(inner)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(torch.distributed.get_rank())
+    ids = torch.randint(0, config.vocab, (4, config.seq), generator=generator)
+    labels = torch.roll(ids, -1, 1)
+
+    def step() -> None:
+        route_loss(model, inner, bench_ranks.fused_ce, inner, ids, labels).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def plain() -> None:
+        for _ in range(block):
+            step()
+
+    side = torch.distributed.new_group(backend="gloo")  # made once per run by the audit itself
+
+    def audited() -> None:
+        audit = Audit(steps, "warn", None, group=side)  # a fresh audit: its first `steps` steps are audited again
+        audit.install()
+        try:
+            for _ in range(block):
+                step()
+        finally:
+            audit.uninstall()
+
+    result = bench_ranks._paired(audited, plain, reps)
+    result["params"] = bench_ranks.params_of(inner)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    size, reps = ("tiny", 3) if args.quick else ("10M", 15)
+    started = time.perf_counter()
+    with RankPool(2) as pool:
+        every = pool.run(audited_step_ratio, size, reps, None, 5, timeout=1800)[0]
+        default = pool.run(audited_step_ratio, size, reps, 3, 20 if args.quick else 100, timeout=1800)[0]
+    print(json.dumps({"size": size, "every_step": every, "default_steps": default}, indent=1))
+    print(
+        f"audited / plain step, {every['params'] / 1e6:.1f}M-parameter DDP model, 2 CPU ranks, "
+        f"median of {reps} interleaved repetitions ({time.perf_counter() - started:.0f} s):\n"
+        f"  every step audited (--steps all): {every['ratio']:.3f} [p10 {every['ratio_p10']:.3f}, "
+        f"p90 {every['ratio_p90']:.3f}]\n"
+        f"  default (--steps 3) over 100 steps: {default['ratio']:.3f} [p10 {default['ratio_p10']:.3f}, "
+        f"p90 {default['ratio_p90']:.3f}]"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""FSDP2 layouts that need 4 ranks to be what they are, on a 4-rank gloo pool: HSDP (a 2x2 mesh, replicate x
+shard), the grouped tail unit accelerate's FSDP2 plugin builds, ``reshard_after_forward=False`` and an int
+(resharding to 2 of 4 ranks). Routed: exact against one process on the global batch; unrouted: the loss that
+reads the backbone's sharded weights outside any forward crashes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from wrapperroute.check.cell import Cell, run_cell
+from wrapperroute.check.wrappers import WRAPPERS
+from wrapperroute.ranks import RankPool
+
+TOLERANCE = 1e-6
+LAYOUTS = ["hsdp", "fsdp2_tail", "fsdp2_keep", "fsdp2_reshard2"]
+
+
+@pytest.fixture(scope="module")
+def pool4() -> Iterator[RankPool]:
+    with RankPool(4) as ranks:
+        yield ranks
+
+
+def _assert_exact(results: list[dict[str, Any]]) -> None:
+    assert len(results) == 4
+    for rank in results:
+        assert rank["error"] is None, rank["error"]
+        assert rank["params"] > 0 and rank["differ"] == 0, rank
+        assert rank["max_ref_diff"] <= TOLERANCE, rank
+    assert len({tuple(rank["losses"]) for rank in results}) == 4, "ranks must see different data"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gradient_truth(pool4: RankPool, layout: str) -> None:
+    reason = WRAPPERS[layout].unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    for loss in ("fused_ce", "backbone_ce"):
+        _assert_exact(pool4.run(run_cell, Cell(layout, loss, steps=2)))
+    for rank in pool4.run(run_cell, Cell(layout, "backbone_ce", routed=False)):
+        assert rank["error"] is not None and "DTensor" in rank["error"], rank
+
+
+def test_hsdp_accumulation(pool4: RankPool) -> None:
+    """Two micro-batches with gradient sync off, then a sync step, across both mesh dimensions."""
+    _assert_exact(pool4.run(run_cell, Cell("hsdp", "fused_ce", accum=3, steps=2)))
+
+
+def test_tail_group_hides_the_bug_for_a_root_loss(pool4: RankPool) -> None:
+    """Measured: in the tail layout the group holding lm_head stays unsharded after the root's forward
+    (reshard_after_forward=False), so a loss that calls the root and then reads lm_head.weight happens to be
+    exact even unrouted; a loss reading the backbone directly still crashes (above). Routing is exact in both."""
+    for rank in pool4.run(run_cell, Cell("fsdp2_tail", "fused_ce", routed=False)):
+        assert rank["error"] is None and rank["differ"] == 0 and rank["max_ref_diff"] <= TOLERANCE, rank

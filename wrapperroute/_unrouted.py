@@ -1,0 +1,72 @@
+"""What ``route_loss`` says about a model it finds no distributed wrapper on: never a silent pass-through.
+
+- A module carrying torch composable distributed state that no adapter knows is an error: its forward hooks
+  would do something wrapperroute cannot reproduce around the loss.
+- Several ranks, trainable parameters, and no wrapper: an :class:`~wrapperroute.UnroutedModelWarning`, once per
+  model (each rank may be training its own copy).
+- Quiet: a single process; a module with no trainable parameter (a frozen reference model); a call made inside
+  the forward of a distributed wrapper that contains the module (a Lightning ``training_step`` runs inside the
+  strategy's wrapper, so the wrapper is armed already and the loss is simply called).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import warnings
+
+import torch.distributed as dist
+from torch import nn
+
+from .adapters import registered
+from .detect import Detection, unrouted_state
+from .errors import RouteValueError, UnroutedModelWarning
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def enclosing_wrapper(model: nn.Module) -> nn.Module | None:
+    """The distributed wrapper whose forward this thread is running and that contains ``model``, or None."""
+    distributed = [adapter for adapter in registered() if adapter.distributed]
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            module = frame.f_locals.get("self")
+            if (
+                isinstance(module, nn.Module)
+                and module is not model
+                and any(adapter.claims(module) for adapter in distributed)
+                and any(sub is model for sub in module.modules())
+            ):
+                return module
+        frame = frame.f_back
+    return None
+
+
+def speak_up(model: nn.Module, found: Detection) -> bool:
+    """Raise or warn, as above, for a model with no distributed wrapper. Returns whether the answer holds for
+    later calls too (False inside an enclosing wrapper's forward: the next call may come from outside it)."""
+    unknown = unrouted_state(found.inner)
+    if unknown:
+        raise RouteValueError(
+            f"{type(model).__name__} carries torch composable distributed state that wrapperroute does not know "
+            f"how to route: {'; '.join(unknown)}. Its forward hooks would not run around the loss. Route the "
+            "wrapper that owns these modules, compute the loss through model(...), or report this API."
+        )
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return True
+    if not any(p.requires_grad for p in model.parameters()):
+        return True
+    if enclosing_wrapper(model) is not None:
+        return False
+    warnings.warn(
+        f"wrapperroute: route_loss got a {type(model).__name__} with trainable parameters and no distributed "
+        f"wrapper (layers seen: {' > '.join(found.chain)}) while torch.distributed runs "
+        f"{dist.get_world_size()} ranks: nothing wrapperroute can see synchronises its gradients, so every rank "
+        "may be training its own copy. Pass the model your trainer holds (the DDP, FSDP or DeepSpeed wrapper, "
+        "the Fabric module) as route_loss's first argument. If this module's gradients are synchronised some "
+        "other way, silence this: warnings.filterwarnings('ignore', category=wrapperroute.UnroutedModelWarning).",
+        UnroutedModelWarning,
+        stacklevel=4,  # speak_up < _new_plan < route_loss < the caller
+    )
+    return True

@@ -1,0 +1,119 @@
+"""torch's composable ``replicate()`` (``torch.distributed._composable.replicate``): DDP with no wrapper object.
+
+``replicate(module)`` gives the module a new class (``DDP<Cls>``, a subclass of the composable ``DDP``) and two
+forward hooks: the pre-hook builds a ``DistributedDataParallel`` over the module's parameters on the first call
+(lazily) and runs its ``_pre_forward`` (which arms the reducer, unless ``set_requires_gradient_sync(False)``);
+the post-hook runs its ``_post_forward`` on the output. As with FSDP2, the module *is* the wrapper: we swap its
+own forward and call it, so both hooks run around the loss.
+
+While the loss runs, the module's hooks are set aside (``_hooks.py``): a loss that calls the model again gets
+a plain forward, not a second ``_pre_forward``/``_post_forward`` that would arm the reducer twice in one step.
+The pre-hook also sets ``DistributedDataParallel._active_ddp_module``, so the functorch fallback applies here as
+under DDP (see ``ddp.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import nn
+from torch.distributed._composable.replicate import DDP as ComposableDDP
+from torch.distributed._composable.replicate import replicate
+from torch.nn.parallel import DistributedDataParallel
+
+from ._hooks import hooks_set_aside, put_hooks_back
+from .base import Adapter
+from .ddp import check_loss_reachable, concurrency_reason, without_graph_optimizer
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def _ddp_of(module: nn.Module) -> DistributedDataParallel | None:
+    """The DistributedDataParallel the pre-hook built, or None before the module's first forward."""
+    state = replicate.state(module)
+    return getattr(state, "_ddp", None) if state is not None else None
+
+
+def _option(module: nn.Module, name: str, default: Any) -> Any:
+    """A DDP option: read from the built DDP, else from the arguments ``replicate()`` recorded for it."""
+    ddp = _ddp_of(module)
+    if ddp is not None:
+        return getattr(ddp, name)
+    state = replicate.state(module)
+    return (state._init_kwargs if state is not None else {}).get(name, default)
+
+
+class ReplicateAdapter(Adapter):
+    kind = "replicate"
+    distributed = True
+
+    def claims(self, module: nn.Module) -> bool:
+        return isinstance(module, ComposableDDP)
+
+    def peel(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def in_forward(self, wrapper: nn.Module) -> bool:
+        active = DistributedDataParallel._active_ddp_module
+        if active is None or active is not _ddp_of(wrapper):  # set by the pre-hook, cleared by the post-hook
+            return False
+        frame: types.FrameType | None = sys._getframe(1)  # the marker is process-wide: this thread's stack decides
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is wrapper:
+                return True
+            frame = frame.f_back
+        return False
+
+    def describe(self, wrapper: nn.Module) -> dict[str, Any]:
+        return {
+            "find_unused_parameters": _option(wrapper, "find_unused_parameters", False),
+            "static_graph": _option(wrapper, "static_graph", False),
+            "gradient_as_bucket_view": _option(wrapper, "gradient_as_bucket_view", False),
+        }
+
+    def inside(
+        self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]
+    ) -> contextlib.AbstractContextManager[Any]:
+        return _inside(wrapper, isolate)
+
+    def result_check(self, wrapper: nn.Module) -> Callable[[nn.Module, Any], None] | None:
+        return _check_reachable if _option(wrapper, "find_unused_parameters", False) else None
+
+    def recover(self, wrapper: nn.Module) -> None:
+        put_hooks_back(wrapper)
+        # The pre-hook set the marker and the post-hook, which clears it, never ran: left set, Dynamo would
+        # apply DDP's graph optimizer to everything compiled from now on.
+        ddp = _ddp_of(wrapper)
+        if ddp is not None and DistributedDataParallel._active_ddp_module is ddp:
+            DistributedDataParallel._active_ddp_module = None
+
+    def concurrency_error(self, wrapper: nn.Module, grad: bool, grad_calls: int) -> str | None:
+        ddp = _ddp_of(wrapper)
+        if ddp is None:
+            return "replicate() builds its DDP state in the first forward, which two threads would race to do"
+        return concurrency_reason(ddp, grad, grad_calls)
+
+    def process_group(self, wrapper: nn.Module) -> Any:
+        return _option(wrapper, "process_group", None)
+
+
+def requires_gradient_sync(module: nn.Module) -> bool:
+    """False while ``module.set_requires_gradient_sync(False)`` holds (composable replicate's ``no_sync``)."""
+    state = replicate.state(module)
+    return not (state is not None and state._no_sync)
+
+
+@contextlib.contextmanager
+def _inside(module: nn.Module, isolate: bool) -> Iterator[None]:
+    with hooks_set_aside(module), without_graph_optimizer() if isolate else contextlib.nullcontext():
+        yield
+
+
+def _check_reachable(wrapper: nn.Module, result: Any) -> None:
+    ddp = _ddp_of(wrapper)
+    if ddp is not None:  # always built by now: the pre-hook ran before the loss
+        check_loss_reachable(ddp, result)

@@ -1,0 +1,137 @@
+"""``wrapperroute audit [OPTIONS] (SCRIPT | -m MODULE) [ARGS...]``: run a training script unmodified, on every
+rank its launcher started, and report whether its data-parallel replicas stayed in sync.
+
+Exit status: 0 when every audited step was in sync (or nothing could be audited, said in the final line);
+3 when a desync was found, whatever the script returned; otherwise the script's own (1 for an exception it
+raised, 130 for Ctrl-C, its ``sys.exit`` code).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+from dataclasses import dataclass, field
+
+from ..errors import GradSyncError
+from .session import DESYNC_EXIT, Audit, DesyncExit, OnDesync, rank
+
+USAGE = (
+    "usage: wrapperroute audit [--steps K|all] [--json PATH] [--on-desync exit|raise|warn] "
+    "(SCRIPT | -m MODULE) [ARGS...]"
+)
+DEFAULT_STEPS = 3
+
+
+class AuditUsageError(Exception):
+    pass
+
+
+@dataclass
+class Options:
+    steps: int | None = DEFAULT_STEPS
+    json_path: str | None = None
+    on_desync: OnDesync = "exit"
+    module: str | None = None
+    script: str | None = None
+    args: list[str] = field(default_factory=list)
+
+
+def parse(argv: list[str]) -> Options:
+    """Options up to SCRIPT (or ``-m MODULE``); everything after belongs to the script, untouched."""
+    options = Options()
+    rest = list(argv)
+    while rest:
+        head = rest.pop(0)
+        if head in ("-h", "--help"):
+            raise AuditUsageError(USAGE)
+        if head in ("--steps", "--json", "--on-desync", "-m"):
+            if not rest:
+                raise AuditUsageError(f"{head} needs a value; {USAGE}")
+            value = rest.pop(0)
+            if head == "--steps":
+                options.steps = _steps(value)
+            elif head == "--json":
+                options.json_path = value
+            elif head == "--on-desync":
+                if value not in ("exit", "raise", "warn"):
+                    raise AuditUsageError(f"--on-desync takes exit, raise or warn, got {value!r}")
+                options.on_desync = value  # type: ignore[assignment]
+            else:
+                options.module = value
+                break
+        elif head.startswith("-"):
+            raise AuditUsageError(f"unknown option {head!r}; {USAGE}")
+        else:
+            options.script = head
+            break
+    if options.script is None and options.module is None:
+        raise AuditUsageError(f"no script to run; {USAGE}")
+    if options.script is not None and not os.path.isfile(options.script):
+        raise AuditUsageError(f"no such script: {options.script}")
+    options.args = rest
+    return options
+
+
+def _steps(value: str) -> int | None:
+    if value == "all":
+        return None
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    raise AuditUsageError(f"--steps takes a positive number or 'all', got {value!r}")
+
+
+def main(argv: list[str]) -> int:
+    try:
+        options = parse(argv)
+    except AuditUsageError as error:
+        print(f"wrapperroute audit: error: {error}", file=sys.stderr)
+        return 2
+    audit = Audit(options.steps, options.on_desync, options.json_path)
+    audit.install()
+    status, failure = _run(options)
+    try:
+        if failure is None and status in (0, DESYNC_EXIT):
+            audit.finish()  # every rank got here: the last comparison is safe to run
+    finally:
+        audit.uninstall()
+    if audit.desync:
+        status = DESYNC_EXIT
+    final = audit.final_line(failure)
+    if rank() == 0:
+        sys.stdout.write(final + "\n")  # one write: other ranks' output cannot land inside the line
+        sys.stdout.flush()
+        audit.write_json(final, status)
+    return status
+
+
+def _run(options: Options) -> tuple[int, str | None]:
+    """Run the script as ``__main__``; its exit status and, if it failed, why."""
+    target = options.script if options.script is not None else options.module
+    assert target is not None
+    sys.argv = [target, *options.args]
+    try:
+        if options.module is not None:
+            runpy.run_module(options.module, run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(target)
+            sys.path.insert(0, os.path.dirname(script))  # as ``python script.py`` does
+            runpy.run_path(script, run_name="__main__")
+    except DesyncExit:
+        return DESYNC_EXIT, None
+    except SystemExit as done:
+        code = done.code
+        if code is None or isinstance(code, int):
+            return code or 0, None if not code else f"exit status {code}"
+        print(code, file=sys.stderr)  # sys.exit("message"): Python prints it and exits 1
+        return 1, f"exit status 1 ({code})"
+    except KeyboardInterrupt:
+        return 130, "interrupted (Ctrl-C)"
+    except GradSyncError as error:  # --on-desync raise, not handled by the script
+        print(f"wrapperroute audit: {error}", file=sys.stderr)
+        return DESYNC_EXIT, None
+    except BaseException as error:
+        traceback.print_exc()
+        return 1, f"{type(error).__name__}: {error}"
+    return 0, None

@@ -1,0 +1,236 @@
+"""The audit inside one rank: torch's global optimizer hooks, which steps to audit, what was found.
+
+Before an audited optimizer step (``register_optimizer_step_pre_hook``, so every optimizer, wrapped ones
+too), every replica's gradient and parameter is compared across ranks (``replicas.py``): the gradients say
+whether this step's synchronisation happened, the parameters whether any earlier step or anything else
+(a rank skipping a step, different data in a buffer) made the replicas drift. When the script ends, or
+destroys the default process group, the parameters are compared once more. Every collective runs on a side
+gloo group of its own, so none ever pairs with the script's; nothing is written to any tensor, and no random
+number is drawn, so the script's numerics are those of a run without the audit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import warnings
+import weakref
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..errors import GradSyncError
+from .replicas import _SEQ, Difference, compare, replicas, wrappers
+
+OnDesync = Literal["exit", "raise", "warn"]
+DESYNC_EXIT = 3  # the exit status of a run in which a desync was found
+
+
+class DesyncExit(SystemExit):
+    """``--on-desync exit``: ends the script at the first desynced step, on every rank."""
+
+
+@dataclass
+class Checkpoint:
+    """One comparison: before optimizer step ``step`` of optimizer ``optimizer``, or at the end."""
+
+    label: str
+    compared: int
+    differences: list[Difference] = field(default_factory=list)
+
+
+class Audit:
+    def __init__(self, steps: int | None, on_desync: OnDesync, json_path: str | None, group: Any = None) -> None:
+        self.steps = steps  # audit each optimizer's first ``steps`` steps; None: every step
+        self.on_desync: OnDesync = on_desync
+        self.json_path = json_path
+        self.checkpoints: list[Checkpoint] = []
+        self.kinds: set[str] = set()
+        self.finished = False
+        self.stepped = False  # some optimizer stepped while several ranks ran
+        self._side: Any = group  # the gloo group comparisons run on; None: one made at the first audited step
+        self._optimizers: dict[int, tuple[int, int]] = {}  # id -> (index in first-step order, steps seen)
+        # The wrappers found by the last scan of the process's objects (weakly: the audit keeps no model alive).
+        # Scanned again for an optimizer not seen before, or when one of them is gone.
+        self._wrappers: list[tuple[str, weakref.ref[nn.Module]]] | None = None
+        self._undo: list[Any] = []
+
+    # --- installing -------------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        handle = register_optimizer_step_pre_hook(self._before_step)
+        self._undo.append(handle.remove)
+        counter = itertools.count(1)
+        init = DistributedDataParallel.__init__
+
+        def stamped(ddp: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
+            init(ddp, *args, **kwargs)
+            ddp.__dict__[_SEQ] = next(counter)  # creation order: the same on every rank
+
+        DistributedDataParallel.__init__ = stamped  # type: ignore[method-assign,assignment]
+        self._undo.append(lambda: setattr(DistributedDataParallel, "__init__", init))
+        destroy = dist.destroy_process_group
+
+        def destroy_after_audit(group: Any = None) -> None:
+            if group is None and not self.finished:
+                self.finish()  # the last comparison needs the group the script is about to destroy
+            destroy(group)
+
+        dist.destroy_process_group = destroy_after_audit
+        self._undo.append(lambda: setattr(dist, "destroy_process_group", destroy))
+
+    def uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    # --- auditing ---------------------------------------------------------------------------------------
+
+    def _running(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def _side_group(self) -> Any:
+        if self._side is None:  # created by every rank at the same point: their first audited step
+            self._side = dist.new_group(backend="gloo")
+        return self._side
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        index, seen = self._optimizers.get(id(optimizer), (len(self._optimizers), 0))
+        self._optimizers[id(optimizer)] = (index, seen + 1)
+        if self.finished or not self._running():
+            return
+        self.stepped = True
+        if self.steps is not None and seen >= self.steps:
+            return
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        label = f"step {seen + 1}" + (f" of optimizer {index + 1}" if index else "")
+        self._check(label, ids, rescan=seen == 0)
+
+    def finish(self) -> None:
+        """The last comparison (parameters only). Every rank calls it, once."""
+        if self.finished:
+            return
+        self.finished = True
+        if self._running() and self.checkpoints:
+            self._check("end", None, rescan=False)
+
+    def _known(self, rescan: bool) -> list[tuple[str, nn.Module]]:
+        alive = [(kind, ref()) for kind, ref in self._wrappers or ()]
+        if rescan or self._wrappers is None or any(wrapper is None for _, wrapper in alive):
+            found = wrappers()
+            self._wrappers = [(kind, weakref.ref(wrapper)) for kind, wrapper in found]
+            return found
+        return alive  # type: ignore[return-value]  # checked: none is None
+
+    def _check(self, label: str, grads_of: set[int] | None, rescan: bool) -> None:
+        # Every rank decides to rescan at the same points (same optimizers, same steps), so the wrapper lists,
+        # and with them the keys compared, stay the same on every rank.
+        found, kinds = replicas(self._known(rescan))
+        self.kinds.update(kinds)
+        if not found:
+            return
+        compared, differences = compare(found, self._side_group(), grads_of)
+        checkpoint = Checkpoint(label, compared, differences)
+        self.checkpoints.append(checkpoint)
+        if differences:
+            self._desync(checkpoint)
+
+    def _desync(self, checkpoint: Checkpoint) -> None:
+        table = format_checkpoint(checkpoint)
+        if self.on_desync == "exit":
+            if dist.get_rank() == 0:
+                print(table + "\n", end="", flush=True)  # one write
+            self.finished = True
+            raise DesyncExit(DESYNC_EXIT)
+        message = f"wrapperroute audit: replicas differ at {checkpoint.label}\n{table}"
+        if self.on_desync == "raise":
+            raise GradSyncError(message)
+        if dist.get_rank() == 0:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    # --- reporting --------------------------------------------------------------------------------------
+
+    @property
+    def desync(self) -> bool:
+        return any(c.differences for c in self.checkpoints)
+
+    def final_line(self, script_failed: str | None = None) -> str:
+        steps = sum(1 for c in self.checkpoints if c.label != "end")
+        wrappers = ", ".join(sorted(self.kinds)) or "none"
+        if self.desync:
+            first = next(c for c in self.checkpoints if c.differences)
+            params = {d.key for c in self.checkpoints for d in c.differences}
+            worst = max((d for c in self.checkpoints for d in c.differences), key=lambda d: d.max_abs_diff)
+            line = (
+                f"wrapperroute audit: DESYNC ({steps} step(s) audited; {len(params)} parameter(s) differing, first at "
+                f"{first.label}; worst {worst.max_abs_diff:.3g} in {worst.key} ({worst.what}); wrappers: {wrappers})"
+            )
+        elif self.checkpoints:
+            compared = max(c.compared for c in self.checkpoints)
+            line = (
+                f"wrapperroute audit: in sync ({steps} step(s) audited, {compared} tensors compared each, "
+                f"0 parameters differing, worst 0; wrappers: {wrappers})"
+            )
+        else:
+            line = f"wrapperroute audit: nothing audited ({self._why_nothing()})"
+        return line + (f"; the script failed: {script_failed}" if script_failed else "")
+
+    def _why_nothing(self) -> str:
+        if not self._optimizers:
+            return "no optimizer step ran"
+        if not self.stepped:
+            return "torch.distributed ran no more than one rank while optimizers stepped"
+        found = ", ".join(sorted(self.kinds))
+        if found:
+            return f"the distributed wrappers found ({found}) shard every parameter: no replicas to compare"
+        return (
+            "optimizers stepped on several ranks, but no distributed wrapper holds their parameters: each rank "
+            "may be training its own copy"
+        )
+
+    def report(self, final: str, exit_status: int) -> dict[str, Any]:
+        return {
+            "verdict": "desync" if self.desync else "in sync" if self.checkpoints else "nothing audited",
+            "final_line": final,
+            "exit_status": exit_status,
+            "wrappers": sorted(self.kinds),
+            "checkpoints": [
+                {"label": c.label, "compared": c.compared, "differences": [asdict(d) for d in c.differences]}
+                for c in self.checkpoints
+            ],
+        }
+
+    def write_json(self, final: str, exit_status: int) -> None:
+        if self.json_path:
+            with open(self.json_path, "w") as out:
+                json.dump(self.report(final, exit_status), out, indent=1)
+
+
+def format_checkpoint(checkpoint: Checkpoint, top: int = 8) -> str:
+    """The comparison table of one desynced checkpoint: tensors differing and the worst by name."""
+    params = sorted({d.key for d in checkpoint.differences})
+    lines = [
+        f"wrapperroute audit, {checkpoint.label}: {len(params)} parameter(s) differ across replicas "
+        f"({len(checkpoint.differences)} of {checkpoint.compared} tensors compared)",
+        f"  {'max abs diff':>12}  {'of':<9} parameter",
+    ]
+    for difference in checkpoint.differences[:top]:
+        diff = "missing" if math.isinf(difference.max_abs_diff) else f"{difference.max_abs_diff:.3g}"
+        lines.append(f"  {diff:>12}  {difference.what:<9} {difference.key}")
+    if len(checkpoint.differences) > top:
+        lines.append(f"  ... and {len(checkpoint.differences) - top} more")
+    return "\n".join(lines)
+
+
+def rank() -> int:
+    """This process's rank: the process group's, else the launcher's (after the script destroyed the group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+__all__ = ["DESYNC_EXIT", "Audit", "DesyncExit", "format_checkpoint", "rank"]

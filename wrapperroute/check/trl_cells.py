@@ -1,0 +1,218 @@
+"""Real TRL trainers with ``use_liger_kernel=True``, one step on local CPU ranks: ``wrapperroute check --trl``
+and the test suite's TRL tests run the same function.
+
+Everything is built locally (a tiny Llama from a config, a WordLevel tokenizer): nothing is downloaded. The
+measurement is the upstream report's: after one step, every parameter's gradient compared across ranks. Each
+rank returns its gradients and the caller compares them, so nothing collective runs after training (a rank
+that failed must not leave the other waiting in a collective it never joins).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..route import _isolated_losses
+
+WORDS = [f"w{i}" for i in range(48)]
+# The DPO crash needs the Liger loss's two requires-grad heads (policy, unfrozen reference) to span >= 2 DDP
+# buckets (the first is 1 MB): 8192 x 64 float32 = 2 MB each.
+LIGER_VOCAB, LIGER_HIDDEN = 8192, 64
+# Liger's Triton kernels need a GPU; the chunked DPO/KTO losses (pure torch) still run with these off.
+NO_TRITON = {"rope": False, "rms_norm": False, "swiglu": False, "cross_entropy": False,
+             "fused_linear_cross_entropy": False}  # fmt: skip
+TRAINERS = {"dpo": ("DPOConfig", "DPOTrainer"), "kto": ("KTOConfig", "KTOTrainer")}
+VARIANTS = ("unpatched", "patched", "naive")
+
+
+def trainer_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone().float()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def tiny_llama(vocab: int, hidden: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return LlamaForCausalLM(config)
+
+
+def tokenizer() -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(["<pad>", "<s>", "</s>", "<unk>", *WORDS])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+class GradProbe:
+    """Trainer callback: records every gradient after the backward, before the optimizer touches it."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def __getattr__(self, event: str) -> Callable[..., None]:
+        if not event.startswith("on_"):
+            raise AttributeError(event)
+        return lambda *args, **kwargs: None
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **_: Any) -> None:
+        self.grads = trainer_grads(model)
+
+
+def training_args(cls: Any, out: str, **extra: Any) -> Any:
+    return cls(
+        output_dir=out,
+        max_steps=1,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        max_grad_norm=0.0,  # clipping would rescale; the comparison wants the raw synced gradient
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        seed=0,
+        **extra,
+    )
+
+
+def _sentence(generator: torch.Generator, length: int) -> str:
+    return " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (length,), generator=generator).tolist())
+
+
+def preference_rows(rows: int) -> list[dict[str, str]]:
+    generator = torch.Generator().manual_seed(99)
+    return [
+        {"prompt": _sentence(generator, 4), "chosen": _sentence(generator, 3), "rejected": _sentence(generator, 3)}
+        for _ in range(rows)
+    ]
+
+
+def lm_rows(rows: int, seq: int) -> list[list[int]]:
+    """Token rows for a language-model step: the same on every rank (the sampler splits them)."""
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randint(4, 4 + len(WORDS), (rows, seq), generator=generator).tolist()
+
+
+def _kto_rows(rows: int) -> list[dict[str, Any]]:
+    generator = torch.Generator().manual_seed(77)
+    return [
+        {"prompt": _sentence(generator, 4), "completion": _sentence(generator, 3), "label": i % 2 == 0}
+        for i in range(rows)
+    ]
+
+
+def _fill_model_folder(folder: str) -> None:
+    """Rank 0 writes the tiny model into ``folder`` (transformers saves on global rank 0 only once a process
+    group exists); the others wait. The caller owns and removes the folder."""
+    if dist.get_rank() == 0 and not os.listdir(folder):
+        tiny_llama(LIGER_VOCAB, LIGER_HIDDEN).save_pretrained(folder)
+        tokenizer().save_pretrained(folder)
+    dist.barrier()
+
+
+def trl_step(trainer_name: str, variant: str, folder: str) -> dict[str, Any]:
+    """One TRL training step with ``use_liger_kernel=True`` on this rank, under DDP.
+
+    ``variant``: ``"unpatched"`` (TRL as installed), ``"patched"`` (``patch_trl()``), or ``"naive"``
+    (``patch_trl(mode="redirect")``: the loss routed through DDP's forward *with* its graph optimizer, i.e. the
+    obvious one-line fix). The patch is undone afterwards and Dynamo's caches are dropped first, so every
+    variant compiles the Liger loss in its own setting, whatever ran before in this worker.
+
+    Returns this rank's gradients (compared across ranks by the caller) or its error.
+    """
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from ..integrations.trl import liger_paths, patch_trl, unpatch_trl
+
+    torch._dynamo.reset()
+    _isolated_losses.clear()
+    # A compile that failed inside a torch.func transform (the "naive" variant) leaves saved-tensor hooks
+    # disabled; gradient checkpointing would then fail in whatever runs next in this worker.
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
+        torch._C._autograd._saved_tensors_hooks_enable()
+    start = time.perf_counter()
+    result: dict[str, Any] = {"trainer": trainer_name, "variant": variant, "error": None, "differ": None}
+    # A DDP forward marker left set by an earlier task (overlapping DDP forwards in threads) would make Dynamo
+    # compile even the unpatched loss with DDP's graph optimizer: report it, and compile without it.
+    result["stale_ddp_marker"] = DDP._active_ddp_module is not None
+    DDP._active_ddp_module = None
+    unpatch_trl()
+    if variant != "unpatched":
+        result["patch"] = list(patch_trl(mode="redirect" if variant == "naive" else "isolate").patched)
+    probe = GradProbe()
+    liger_paths.clear()
+    try:
+        import trl
+
+        config_name, trainer_class = TRAINERS[trainer_name]
+        config_cls, trainer_cls = getattr(trl, config_name), getattr(trl, trainer_class)
+        _fill_model_folder(folder)
+        with tempfile.TemporaryDirectory() as out:
+            common = {"use_liger_kernel": True, "liger_kernel_config": NO_TRITON, "remove_unused_columns": False}
+            rows = preference_rows(8) if trainer_name == "dpo" else _kto_rows(8)
+            trainer: Any = trainer_cls(
+                model=AutoModelForCausalLM.from_pretrained(folder),
+                args=training_args(config_cls, out, **common),
+                train_dataset=Dataset.from_list(rows),
+                processing_class=tokenizer(),
+                callbacks=[probe],
+            )
+            trainer.train()
+            result["wrapper"] = type(trainer.model_wrapped).__name__
+            redirection = getattr(trainer, "_forward_redirection", None)  # the class the trainer routes with
+            result["redirection"] = type(redirection).__module__ if redirection is not None else None
+    except Exception:
+        result["error"] = traceback.format_exc()
+    finally:
+        unpatch_trl()
+    result["grads"] = probe.grads
+    result["liger_paths"] = {f"{owner}: {path}": count for (owner, path), count in liger_paths.items()}
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+def compare_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's row with every rank's error and, when every rank trained, the gradients compared across ranks
+    (``params``, ``differ``, ``max_diff``)."""
+    errors = {rank: r["error"] for rank, r in enumerate(results) if r["error"]}
+    row = {key: value for key, value in results[0].items() if key != "grads"}
+    row.update(errors=errors, error=results[0]["error"] or next(iter(errors.values()), None))
+    if not errors:
+        grads = [r["grads"] for r in results]
+        if not grads[0] or any(g.keys() != grads[0].keys() for g in grads):
+            row["error"] = "the ranks recorded no gradients, or different parameters"
+            return row
+        diffs = [max(float((g[name] - grads[0][name]).abs().max()) for g in grads[1:]) for name in grads[0]]
+        row.update(params=len(diffs), differ=sum(d > 0 for d in diffs), max_diff=max(diffs))
+    return row
