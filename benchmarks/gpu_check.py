@@ -4,7 +4,7 @@
 
 1. Liger's Triton ``LigerFusedLinearCrossEntropyLoss`` routed through single-GPU DDP (nccl, world size 1):
    gradients equal the same loss without DDP.
-2. The seed's crash on CUDA with inductor: compiled Liger DPO, unfrozen reference head, hidden 256,
+2. The upstream TensorWrapper crash on CUDA with inductor: compiled Liger DPO, unfrozen reference head, hidden 256,
    vocab 8192+: ``mode="redirect"`` reproduces "Cannot access storage of TensorWrapper", ``mode="auto"`` is
    exact.
 3. Routed / native DDP step time on the GPU (interleaved, medians, CUDA-synchronised).

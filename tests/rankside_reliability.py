@@ -451,7 +451,7 @@ def long_run(wrapper: str, opts: dict[str, Any], steps: int, warmup: int) -> dic
 
     import psutil
 
-    from wrapperroute import route as route_module
+    from wrapperroute._state import routing_state
 
     wrapped = WRAPPERS[wrapper].build(build_model(CONFIG), dict(opts))
     case = LOSSES["fused_ce"]
@@ -478,8 +478,8 @@ def long_run(wrapper: str, opts: dict[str, Any], steps: int, warmup: int) -> dic
         "forward_changed": forward_changed,
         "hooks_changed": hooks_changed,
         "rss_growth_mib": (process.memory_info().rss - rss_warm) / 2**20,
-        "redirections": len(route_module._redirections),
-        "plans": len(route_module._plans),
+        "redirections": routing_state().swaps,
+        "plans": routing_state().plans,
     }
 
 
@@ -490,7 +490,7 @@ def released(wrapper: str, opts: dict[str, Any], routed: bool) -> dict[str, Any]
     import gc
     import weakref
 
-    from wrapperroute import route as route_module
+    from wrapperroute._state import routing_state
 
     def run() -> tuple[weakref.ref[nn.Module], weakref.ref[nn.Module]]:
         wrapped = WRAPPERS[wrapper].build(build_model(CONFIG), dict(opts))
@@ -503,14 +503,14 @@ def released(wrapper: str, opts: dict[str, Any], routed: bool) -> dict[str, Any]
         return weakref.ref(wrapped.inner), weakref.ref(wrapped.model)
 
     gc.collect()
-    plans, redirections = len(route_module._plans), len(route_module._redirections)
+    plans, redirections = routing_state().plans, routing_state().swaps
     inner, model = run()
     gc.collect()
     return {
         "inner_alive": inner() is not None,
         "model_alive": model() is not None,
-        "plans_added": len(route_module._plans) - plans,
-        "redirections_added": len(route_module._redirections) - redirections,
+        "plans_added": routing_state().plans - plans,
+        "redirections_added": routing_state().swaps - redirections,
     }
 
 

@@ -123,13 +123,20 @@ def test_real_trainers(trainer: str, tmp_path: Path) -> None:
     assert good["code"] == 0
 
 
-def test_through_accelerate_launch() -> None:
-    launcher = shutil.which("accelerate") or pytest.skip("the accelerate CLI is not on PATH")
-    # --multi_gpu selects accelerate's torchrun launcher (--cpu would start one process); the script's own
-    # init_process_group("gloo") then runs on CPU
-    command = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
-               "no", "--dynamo_backend", "no", "--main_process_port", str(_port()), "-m", "wrapperroute", "audit",
-               str(SCRIPTS / "ddp_train.py"), "--loss", "module"]  # fmt: skip
+@pytest.mark.parametrize("launcher", ["accelerate", "deepspeed"])
+def test_through_other_launchers(launcher: str) -> None:
+    """accelerate launch -m, and the deepspeed launcher's --module mode (which puts --local_rank=N first)."""
+    found = shutil.which(launcher) or pytest.skip(f"the {launcher} CLI is not on PATH")
+    script = [str(SCRIPTS / "ddp_train.py"), "--loss", "module"]
+    if launcher == "accelerate":
+        # --multi_gpu selects accelerate's torchrun launcher (--cpu would start one process); the script's own
+        # init_process_group("gloo") then runs on CPU
+        command = [found, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                   "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_port()), "-m",
+                   "wrapperroute", "audit", *script]  # fmt: skip
+    else:
+        command = [found, "--num_gpus", "2", "--master_port", str(_port()), "--module", "wrapperroute", "audit",
+                   *script]  # fmt: skip
     run = _run(command)
     assert _one_final(run).startswith("wrapperroute audit: DESYNC"), run["out"][-2000:] + run["err"][-2000:]
     assert run["code"] != 0

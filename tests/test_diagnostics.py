@@ -1,4 +1,4 @@
-"""check_grad_sync and guard on real ranks (issue 6)."""
+"""check_grad_sync and guard on real ranks."""
 
 from __future__ import annotations
 

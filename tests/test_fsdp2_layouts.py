@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import rankside_layouts
 
 from wrapperroute.check.cell import Cell, run_cell
 from wrapperroute.check.wrappers import WRAPPERS
@@ -56,3 +57,12 @@ def test_tail_group_hides_the_bug_for_a_root_loss(pool4: RankPool) -> None:
     exact even unrouted; a loss reading the backbone directly still crashes (above). Routing is exact in both."""
     for rank in pool4.run(run_cell, Cell("fsdp2_tail", "fused_ce", routed=False)):
         assert rank["error"] is None and rank["differ"] == 0 and rank["max_ref_diff"] <= TOLERANCE, rank
+
+
+def test_agree_runs_among_the_ranks_of_the_wrappers_mesh(pool4: RankPool) -> None:
+    """agree=True exchanges its flag among the ranks that run the wrapper's step (its mesh), not the world: a
+    failure on rank 1 stops ranks 0-1, and the model on ranks 2-3 steps on."""
+    results = {r["rank"]: r for r in pool4.run(rankside_layouts.agree_on_sub_meshes, timeout=120)}
+    assert "failed on rank(s) [1] of [0, 1]" in (results[0]["raised"] or ""), results[0]
+    assert "failed on rank(s) [1] of [0, 1]" in (results[1]["raised"] or ""), results[1]
+    assert results[2]["raised"] is None and results[3]["raised"] is None, results

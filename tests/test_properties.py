@@ -1,4 +1,4 @@
-"""Property tests (issue 8): random module trees through real wrappers, gradient truth for every example.
+"""Property tests: random module trees through real wrappers, gradient truth for every example.
 
 Hypothesis draws each example in the parent (derandomized: CI is reproducible) and the two ranks build the
 tree from it. Examples are batched 10 to a pool call to keep the pool's round trips out of the budget.

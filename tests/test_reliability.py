@@ -1,4 +1,4 @@
-"""Reliability (issue 8): bad input, faults, one failing rank, long runs and threads, on real wrappers.
+"""Reliability: bad input, faults, one failing rank, long runs and threads, on real wrappers.
 
 Every rank-side function catches the errors it expects and returns them as data, so the pool is never
 restarted on the happy path.

@@ -1,4 +1,4 @@
-"""Security hygiene (issue 8): no string execution or untrusted unpickling in the package, rank workers on
+"""Security hygiene: no string execution or untrusted unpickling in the package, rank workers on
 loopback only, and the CLI's workers cleaned up on Ctrl-C and on failure.
 
 The rank pool unpickles only what its own spawned children send over their private pipes (and the children

@@ -1,4 +1,4 @@
-"""Gradient truth through real DDP on 2 gloo ranks (issue 2).
+"""Gradient truth through real DDP on 2 gloo ranks.
 
 Each routed cell must give bit-identical gradients across ranks and match a single process on the global
 batch to 1e-6; the unrouted cell in the same test must differ, or the test could not fail.

@@ -1,4 +1,4 @@
-"""Gradient truth through real FSDP1 and FSDP2 on 2 gloo ranks (issue 3), nested shard units included."""
+"""Gradient truth through real FSDP1 and FSDP2 on 2 gloo ranks, nested shard units included."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import wrapperroute as wr
-from wrapperroute import route as route_module
+from wrapperroute._state import routing_state
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +116,8 @@ def test_interrupt_anywhere_leaves_no_state(one_rank: None, grad: bool, case: st
 
     points = count_points(step)
     assert points > 30, points  # the tracer sees the routed call's own code
-    states = route_module._redirections.values
-    assert not any(s.count or s.wrapper is not None for s in states())
+    clean = routing_state()
+    assert not (clean.in_flight or clean.passthroughs), clean
     leftovers = []
     for point in range(1, points + 1):
         interrupted, where = interrupt_at(point, step)
@@ -127,9 +127,9 @@ def test_interrupt_anywhere_leaves_no_state(one_rank: None, grad: bool, case: st
             for what, bad in (
                 ("the interrupt was swallowed", not interrupted),
                 ("a forward or hook dict not put back", any(a is not b for a, b in zip(now, before, strict=True))),
-                ("a lock held", any(s.lock.locked() for s in states())),
-                ("a call still counted in flight", any(s.count or s.grad_calls for s in states())),
-                ("this thread still marked as routing", bool(route_module._thread.routing)),
+                ("a lock held", routing_state().locks_held),
+                ("a call still counted in flight", routing_state().in_flight),
+                ("this thread still marked as routing", routing_state().routing_here),
             )
             if bad
         ]

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 import wrapperroute as wr
+from wrapperroute._fallback import _fallback_key, _is_graph_optimizer_failure
+from wrapperroute._swap import _Token
 from wrapperroute.check.models import TinyConfig, build_model
-from wrapperroute.route import _Call, _fallback_key, _is_graph_optimizer_failure
 
 
 def test_detect_plain_and_compiled() -> None:
@@ -64,7 +65,7 @@ def test_token_survives_ddp_input_handling() -> None:
     from torch.distributed.utils import _cast_forward_inputs, _to_kwargs
 
     module = nn.Linear(1, 1)
-    call = _Call(module, print, (), {}, None, None)
+    call = _Token(module, print, (), {}, None, None)
     moved_args, moved_kwargs = _to_kwargs((call,), {}, torch.device("cpu"), False)
     assert moved_args[0][0] is call and moved_kwargs[0] == {}
     cast_args, _ = _cast_forward_inputs(torch.bfloat16, call)
@@ -87,3 +88,19 @@ def test_graph_optimizer_failure_is_recognised_through_the_chain() -> None:
     outer.__cause__ = inner
     assert _is_graph_optimizer_failure(outer)
     assert not _is_graph_optimizer_failure(RuntimeError("shape mismatch"))
+
+
+def test_fast_path_facts_match_what_the_adapters_do() -> None:
+    """route_loss trusts each adapter's class facts instead of asking: an adapter that says it enters nothing on
+    a plain call must return NOTHING there, and one that says it picks no units must not override the two
+    methods its fast path skips."""
+    from wrapperroute.adapters import registered
+    from wrapperroute.adapters.base import NOTHING, Adapter
+
+    for adapter in registered():
+        kind = type(adapter)
+        if not adapter.enters_every_call:
+            assert adapter.inside(torch.nn.Linear(1, 1), isolate=False, gather=()) is NOTHING, kind
+        if not adapter.picks_units:
+            assert kind.validate_gather is Adapter.validate_gather, kind
+            assert kind.nested_units is Adapter.nested_units, kind

@@ -1,4 +1,4 @@
-"""``@routed`` (issue 5): a no-op in one process that keeps the function's identity, and exact gradients under
+"""``@routed``: a no-op in one process that keeps the function's identity, and exact gradients under
 DDP, on plain functions, methods and a real HF ``Trainer`` subclass, next to the same code undecorated."""
 
 from __future__ import annotations

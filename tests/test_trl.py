@@ -1,4 +1,4 @@
-"""TRL integration (issue 5): ``ForwardRedirection`` against TRL's own class, and ``patch_trl()`` on real TRL
+"""TRL integration: ``ForwardRedirection`` against TRL's own class, and ``patch_trl()`` on real TRL
 ``DPOTrainer``/``KTOTrainer`` with ``use_liger_kernel=True`` on 2 gloo ranks: the bug and the fix, side by side."""
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def _defines_liger_loss(trainer: str) -> bool:
     tests measure the bug where the method is, and check TRL stays exact where it is not."""
     from trl import DPOTrainer, KTOTrainer
 
-    return "_compute_loss_liger" in vars(DPOTrainer if trainer == "dpo" else KTOTrainer)
+    cls = DPOTrainer if trainer == "dpo" else KTOTrainer
+    return any("_compute_loss_liger" in vars(c) for c in cls.__mro__)  # defined there, or inherited
 
 
 def test_importing_wrapperroute_never_imports_trl() -> None:
@@ -156,7 +157,7 @@ def test_patch_trl_is_idempotent_and_reversible(monkeypatch: pytest.MonkeyPatch)
             assert DPOTrainer.compute_loss is not originals[0]
         else:  # only the redirection is replaced; the note says why
             assert not any("DPOTrainer" in label for label in first.patched), first.patched
-            assert "DPOTrainer defines no _compute_loss_liger" in first.note and DPOTrainer.compute_loss is originals[0]
+            assert "DPOTrainer has no _compute_loss_liger" in first.note and DPOTrainer.compute_loss is originals[0]
         if _defines_liger_loss("kto"):
             assert "trl.trainer.kto_trainer.KTOTrainer._compute_loss_liger" in first.patched
     finally:
@@ -165,14 +166,18 @@ def test_patch_trl_is_idempotent_and_reversible(monkeypatch: pytest.MonkeyPatch)
     assert utils._ForwardRedirection is not ForwardRedirection
     assert grpo._ForwardRedirection is utils._ForwardRedirection  # swept back too
 
-    for cls in (DPOTrainer, KTOTrainer):  # a TRL whose trainers have no Liger loss method: nothing to fix
-        if "_compute_loss_liger" in vars(cls):
-            monkeypatch.delattr(cls, "_compute_loss_liger")
+    from wrapperroute.integrations.trl import _LIGER_TRAINERS
+
+    for module_name, class_name in _LIGER_TRAINERS:  # a TRL whose trainers have no Liger loss method
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        for owner in cls.__mro__ if cls is not None else ():
+            if "_compute_loss_liger" in vars(owner):
+                monkeypatch.delattr(owner, "_compute_loss_liger")
     try:
         result = patch_trl(forward_redirection=False)
         assert result.patched == () and not result, result
-        assert "DPOTrainer defines no _compute_loss_liger" in result.note, result.note
-        assert "KTOTrainer defines no _compute_loss_liger" in result.note, result.note
+        assert "DPOTrainer has no _compute_loss_liger" in result.note, result.note
+        assert "KTOTrainer has no _compute_loss_liger" in result.note, result.note
     finally:
         unpatch_trl()
 

@@ -1,8 +1,10 @@
-"""``wrapperroute check`` and ``wrapperroute env``.
+"""``wrapperroute check``, ``wrapperroute env`` and the entry of ``wrapperroute audit``.
 
 ``check`` spawns N CPU ranks on gloo itself (no torchrun), builds the embedded tiny causal LM, and runs the
-matrix {wrappers} x {losses} x {unrouted, routed}, printing the seed PR's table. Exit status: 0 when every
-routed cell is exact, 1 when any is not, 2 on bad usage.
+matrix {wrappers} x {losses} x {unrouted, routed}, printing the upstream report's table (parameters differing
+across ranks). ``check --trl`` runs the installed TRL's Liger trainers instead. Exit status: 0 when every
+routed (patched) cell is exact, 1 when any is not, 2 on bad usage. The libraries' warnings and logs from the
+ranks are silenced unless ``--verbose``; the user's own process is never touched.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from .check.cell import Cell, run_cell
+from .check.cell import Cell, is_exact, run_cell
 from .check.losses import LOSSES
 from .check.wrappers import WRAPPERS, WrapperCase
 
@@ -64,7 +66,7 @@ def _names(value: str | None, known: dict[str, Any], default: tuple[str, ...], w
 
 
 def _verdict(routed: bool, cell: dict[str, Any]) -> str:
-    exact = cell["error"] is None and cell["differ"] == 0 and cell["max_ref_diff"] <= 1e-6
+    exact = is_exact(cell)
     if routed:
         return "exact" if exact else "FAIL"
     if cell["error"] is not None:
@@ -129,6 +131,22 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# What the rank workers of a quiet run set (never the user's own process): the libraries' warnings, log lines
+# and progress bars would land in the middle of the progress lines.
+QUIET_ENV = {
+    "WRAPPERROUTE_QUIET": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "DATASETS_VERBOSITY": "error",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "TQDM_DISABLE": "1",
+    "PYTHONWARNINGS": "ignore",
+}
+
+
+def _rank_env(verbose: bool) -> dict[str, str]:
+    return {**_cache_env(), **({} if verbose else QUIET_ENV)}
+
+
 def _cache_env() -> dict[str, str]:
     base = os.path.join(os.path.expanduser("~"), ".cache", "wrapperroute")
     return {
@@ -154,7 +172,7 @@ def check(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
     progress = sys.stderr
-    with RankPool(args.nproc, env=_cache_env()) as pool:
+    with RankPool(args.nproc, env=_rank_env(args.verbose)) as pool:
         for index, (wrapper, loss, routed) in enumerate(cells, 1):
             path = "routed" if routed else "unrouted"
             print(f"[{index}/{len(cells)}] {wrapper} / {loss} / {path} ...", end="", file=progress, flush=True)
@@ -221,7 +239,7 @@ def check_trl(args: argparse.Namespace) -> int:
 
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
-    with RankPool(args.nproc, env=_cache_env()) as pool, tempfile.TemporaryDirectory() as folder:
+    with RankPool(args.nproc, env=_rank_env(args.verbose)) as pool, tempfile.TemporaryDirectory() as folder:
         for trainer in trainers:
             for variant in ("unpatched", "patched"):
                 print(f"TRL {version} {trainer} / {variant} ...", end="", file=sys.stderr, flush=True)
@@ -314,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--steps", type=int, default=1, help="optimizer steps per cell (default 1)")
     run.add_argument("--timeout", type=float, default=300.0, help="seconds a cell may take (default 300)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    run.add_argument("--verbose", action="store_true", help="show the libraries' warnings and logs from the ranks")
     run.add_argument(
         "--trl", action="store_true", help="run the installed TRL's Liger trainers (DPO, KTO), unpatched and patched"
     )
@@ -328,7 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Launchers in module mode (deepspeed --module, torch.distributed.launch) put --local_rank=N first; the same
+    # number is in the LOCAL_RANK environment variable, which is what torch reads.
+    while argv and argv[0].split("=")[0] in ("--local_rank", "--local-rank"):
+        del argv[: 1 if "=" in argv[0] else 2]
     if argv[:1] == ["audit"]:  # the script's own arguments follow: not for argparse
         from .audit import main as audit_main
 

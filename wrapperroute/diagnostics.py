@@ -32,7 +32,7 @@ class SyncReport:
         return self.differing == 0
 
     def table(self) -> str:
-        """The seed PR's table: parameters differing across ranks and the largest difference."""
+        """The upstream report's table: parameters differing across ranks and the largest difference."""
         lines = [
             f"{'wrapper':<10} {'params differing':>18} {'max abs diff':>13}",
             f"{self.kind:<10} {f'{self.differing} / {self.compared}':>18} {self.max_abs_diff:>13.3g}",

@@ -61,6 +61,12 @@ def _worker(rank: int, world_size: int, store_path: str, conn: Connection, env: 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     os.environ.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     threading.Thread(target=_watch_parent, args=(int(env["WRAPPERROUTE_PARENT_PID"]),), daemon=True).start()
+    if env.get("WRAPPERROUTE_QUIET") == "1":  # a CLI's ranks: libraries' warnings and log lines are noise there
+        import logging
+        import warnings
+
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
     import torch
     import torch.distributed as dist
 

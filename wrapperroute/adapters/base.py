@@ -1,9 +1,31 @@
 """The one protocol every wrapper family implements.
 
 A *layer* is anything that can sit between the object a trainer holds and the module that owns the
-parameters: ``torch.compile``'s ``OptimizedModule``, DDP, FSDP1, FSDP2, a DeepSpeed engine, a PEFT model.
-Only *distributed* layers need routing; the others are peeled so :func:`wrapperroute.detect` can see through
-them.
+parameters: ``torch.compile``'s ``OptimizedModule``, DDP, FSDP1, FSDP2, a DeepSpeed engine, a PEFT model, a
+Lightning Fabric module. Only *distributed* layers are routed through; the others are peeled so
+:func:`wrapperroute.detect` can see through them (Fabric's is also *entered*: its forward runs around the
+wrapper's). What each adapter declares and overrides (a blank is the default below):
+
+=================  ===========================================  =============================================
+adapter (kind)     class facts                                  overrides
+=================  ===========================================  =============================================
+compile, peft      (peeled only)                                claims, peel
+fabric             enters                                       claims, peel
+ddp                distributed, isolates                        in_forward, describe, inside (isolate),
+                                                                result_check (find_unused), concurrency_error,
+                                                                step_ranks
+replicate          distributed, isolates, enters_every_call     the same, and recover
+fsdp1              distributed, shards, picks_units             redirect_target, in_forward, describe, recover,
+                                                                nested_units, step_ranks
+fsdp2              distributed, shards, picks_units,            in_forward, describe, recover, nested_units,
+                   enters_every_call                            inside (hooks set aside), step_ranks
+replicate_fsdp     as fsdp2, not shards                         claims
+deepspeed          distributed, shards, picks_units,            in_forward, describe, validate_gather, recover,
+                   enters_every_call                            concurrency_error, inside, step_ranks
+=================  ===========================================  =============================================
+
+The class facts are read once per model and decide ``route_loss``'s fast path; the methods are asked per call
+only where a fact says they matter.
 """
 
 from __future__ import annotations
@@ -28,6 +50,16 @@ class Adapter:
     shards
         True when each rank holds a different part of the parameters and gradients by design (FSDP, ZeRO):
         :func:`wrapperroute.check_grad_sync` then does not compare local gradients across ranks.
+    isolates
+        True when ``inside(..., isolate=True)`` changes anything: the wrapper's forward sets DDP's forward
+        marker, under which Dynamo applies DDP's graph optimizer (DDP, composable ``replicate``). Only then
+        does the functorch fallback retry a loss.
+    picks_units
+        True when ``validate_gather`` and ``nested_units`` do something (sharded wrappers): asked on every
+        call; False lets ``route_loss`` skip both.
+    enters_every_call
+        True when ``inside(isolate=False, gather=())`` enters something (FSDP2 sets hooks aside); False means
+        it returns ``NOTHING`` and ``route_loss`` does not ask it on such calls.
     enters
         True for a layer that is not distributed itself but whose own forward must run around the wrapper's
         (Lightning Fabric's precision context): :func:`wrapperroute.route_loss` calls that layer, not the
@@ -37,7 +69,10 @@ class Adapter:
     kind: ClassVar[str] = "?"
     distributed: ClassVar[bool] = False
     shards: ClassVar[bool] = False
+    isolates: ClassVar[bool] = False
     enters: ClassVar[bool] = False
+    picks_units: ClassVar[bool] = False
+    enters_every_call: ClassVar[bool] = False
 
     def claims(self, module: nn.Module) -> bool:
         """Whether ``module`` is a layer of this family."""
@@ -96,8 +131,9 @@ class Adapter:
         this call records a graph; ``grad_calls``: in-flight calls that do), or None when it may."""
         return f"{self.kind} is not thread-safe: concurrent forwards unshard and reshard each other's parameters"
 
-    def process_group(self, wrapper: nn.Module) -> Any:
-        """The process group whose ranks all run this wrapper's step (``agree=True``); None: the default."""
+    def step_ranks(self, wrapper: nn.Module) -> tuple[int, ...] | None:
+        """The global ranks that all run this wrapper's step (``agree=True`` exchanges its flag among them);
+        None: every rank of the default group."""
         return None
 
     def validate_gather(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> None:

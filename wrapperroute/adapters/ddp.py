@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
@@ -35,6 +36,7 @@ log = logging.getLogger("wrapperroute")
 class DDPAdapter(Adapter):
     kind = "ddp"
     distributed = True
+    isolates = True
 
     def claims(self, module: nn.Module) -> bool:
         return isinstance(module, DistributedDataParallel)
@@ -76,8 +78,8 @@ class DDPAdapter(Adapter):
         ddp: DistributedDataParallel = wrapper  # type: ignore[assignment]
         return concurrency_reason(ddp, grad, grad_calls)
 
-    def process_group(self, wrapper: nn.Module) -> Any:
-        return wrapper.process_group
+    def step_ranks(self, wrapper: nn.Module) -> tuple[int, ...] | None:
+        return group_ranks(wrapper.process_group)
 
 
 def _check_reachable(wrapper: nn.Module, result: Any) -> None:
@@ -102,6 +104,11 @@ def check_loss_reachable(ddp: DistributedDataParallel, result: Any) -> None:
         "('marked as ready twice'). Return the loss tensor (alone or in a tuple, list, dict or dataclass); "
         "for a call that computes no loss (metrics, evaluation) run route_loss under torch.no_grad()."
     )
+
+
+def group_ranks(group: Any) -> tuple[int, ...] | None:
+    """A process group's global ranks (None for None: the default group)."""
+    return None if group is None else tuple(dist.get_process_group_ranks(group))
 
 
 def concurrency_reason(ddp: DistributedDataParallel, grad: bool, grad_calls: int) -> str | None:

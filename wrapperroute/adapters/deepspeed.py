@@ -28,6 +28,7 @@ from torch import nn
 
 from ..errors import RouteValueError
 from .base import Adapter
+from .ddp import group_ranks
 
 
 def _stage(engine: DeepSpeedEngine) -> int:
@@ -37,6 +38,8 @@ def _stage(engine: DeepSpeedEngine) -> int:
 class DeepSpeedAdapter(Adapter):
     kind = "deepspeed"
     distributed = True
+    picks_units = True
+    enters_every_call = True
     shards = True
 
     def claims(self, module: nn.Module) -> bool:
@@ -45,6 +48,10 @@ class DeepSpeedAdapter(Adapter):
     def peel(self, module: nn.Module) -> nn.Module:
         inner: nn.Module = module.module  # type: ignore[assignment]
         return inner
+
+    def step_ranks(self, wrapper: nn.Module) -> tuple[int, ...] | None:
+        # The engine's data-parallel group (the world minus model-parallel dimensions), not simply WORLD.
+        return group_ranks(getattr(wrapper, "data_parallel_group", None))
 
     def in_forward(self, wrapper: nn.Module) -> bool:
         # Only ZeRO-3 leaves a trace of a running forward: its prologue flags every module's parameter dict.

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 from ._units import units_for
 from .base import Adapter
+from .ddp import group_ranks
 
 _auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = weakref.WeakKeyDictionary()
 
@@ -26,6 +27,7 @@ def _is_unit(module: nn.Module) -> bool:
 class FSDP1Adapter(Adapter):
     kind = "fsdp1"
     distributed = True
+    picks_units = True
     shards = True
 
     def claims(self, module: nn.Module) -> bool:
@@ -70,8 +72,8 @@ class FSDP1Adapter(Adapter):
                 handle._post_forward_index = None
             state.training_state = TrainingState.IDLE
 
-    def process_group(self, wrapper: nn.Module) -> Any:
-        return wrapper.process_group
+    def step_ranks(self, wrapper: nn.Module) -> tuple[int, ...] | None:
+        return group_ranks(wrapper.process_group)
 
     def nested_units(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
         return units_for(wrapper, self.peel(wrapper), gather, _is_unit, _auto_units)

@@ -41,6 +41,8 @@ def _is_unit(module: nn.Module) -> bool:
 class FSDP2Adapter(Adapter):
     kind = "fsdp2"
     distributed = True
+    picks_units = True
+    enters_every_call = True
     shards = True
 
     def claims(self, module: nn.Module) -> bool:
@@ -83,6 +85,18 @@ class FSDP2Adapter(Adapter):
 
     def nested_units(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
         return units_for(wrapper, wrapper, gather, _is_unit, _auto_units)
+
+    def step_ranks(self, wrapper: nn.Module) -> tuple[int, ...] | None:
+        # Every rank of the groups' mesh runs the step: HSDP's replicate x shard ranks, or a sub-mesh of the
+        # world (TP + FSDP2, models on disjoint ranks), never simply WORLD. Read from FSDP's state, not the
+        # parameters: a root that keeps them unsharded after its forward holds plain tensors then.
+        state = wrapper._get_fsdp_state()  # type: ignore[operator]
+        for each in state._state_ctx.all_states:
+            groups = getattr(each, "_fsdp_param_groups", None)
+            for group in groups if groups is not None else [each._fsdp_param_group]:
+                if group is not None:
+                    return tuple(sorted(group.mesh_info.mesh.mesh.flatten().tolist()))
+        return None
 
     def inside(
         self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]

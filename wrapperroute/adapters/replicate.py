@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ._hooks import hooks_set_aside, put_hooks_back
 from .base import Adapter
-from .ddp import check_loss_reachable, concurrency_reason, without_graph_optimizer
+from .ddp import check_loss_reachable, concurrency_reason, group_ranks, without_graph_optimizer
 
 _CALL_IMPL = nn.Module._call_impl.__code__
 
@@ -50,6 +50,8 @@ def _option(module: nn.Module, name: str, default: Any) -> Any:
 class ReplicateAdapter(Adapter):
     kind = "replicate"
     distributed = True
+    enters_every_call = True
+    isolates = True
 
     def claims(self, module: nn.Module) -> bool:
         return isinstance(module, ComposableDDP)
@@ -97,8 +99,8 @@ class ReplicateAdapter(Adapter):
             return "replicate() builds its DDP state in the first forward, which two threads would race to do"
         return concurrency_reason(ddp, grad, grad_calls)
 
-    def process_group(self, wrapper: nn.Module) -> Any:
-        return _option(wrapper, "process_group", None)
+    def step_ranks(self, wrapper: nn.Module) -> tuple[int, ...] | None:
+        return group_ranks(_option(wrapper, "process_group", None))
 
 
 def requires_gradient_sync(module: nn.Module) -> bool:

@@ -17,13 +17,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..route import Mode, _isolated_losses, route_loss
+from .._state import forget_isolated, routing_state
+from ..route import Mode, route_loss
 from .losses import LOSSES, make_batch
 from .models import TinyConfig, build_model
 from .wrappers import WRAPPERS, build_none
 
 # Two gradients count as "different across ranks" above this; DDP's all-reduce makes them bit-identical.
 RANK_TOLERANCE = 0.0
+# The most a routed fp32 gradient may differ from one process on the concatenated global batch.
+REFERENCE_TOLERANCE = 1e-6
 
 
 @dataclass
@@ -60,10 +63,15 @@ class CellResult:
 
     @property
     def exact(self) -> bool:
-        return self.error is None and self.differ == 0 and self.max_ref_diff <= 1e-6
+        return is_exact(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def is_exact(cell: dict[str, Any]) -> bool:
+    """A cell's result, as a dict: no error, no gradient differing across ranks, within the reference tolerance."""
+    return cell["error"] is None and cell["differ"] == 0 and cell["max_ref_diff"] <= REFERENCE_TOLERANCE
 
 
 def _compare_across_ranks(grads: dict[str, torch.Tensor]) -> tuple[int, float]:
@@ -96,13 +104,13 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     config = cell.config or case.config
     if cell.fresh_compile:
         torch._dynamo.reset()
-        _isolated_losses.clear()
+        forget_isolated()
 
     wrapped = WRAPPERS[cell.wrapper].build(build_model(config), dict(cell.wrapper_opts))
     extras = case.extras(config)
     reference = build_none(build_model(config), {})
     reference_extras = case.extras(config)
-    isolated_before = set(_isolated_losses)
+    isolated_before = routing_state().isolated
     for step in range(cell.steps):
         try:
             for micro in range(cell.accum):
@@ -135,6 +143,6 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         result.max_ref_diff = max(result.max_ref_diff, _max_diff(grads, ref_grads))
         wrapped.step()
         reference.step()
-    result.fell_back = bool(set(_isolated_losses) - isolated_before)
+    result.fell_back = bool(routing_state().isolated - isolated_before)
     result.seconds = time.perf_counter() - start
     return result.to_dict()

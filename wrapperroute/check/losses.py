@@ -75,7 +75,7 @@ def _backbone_ce(model: TinyCausalLM, batch: Batch, extras: dict[str, Any]) -> t
 
 # --- Liger chunked preference losses (torch.func inside torch.compile) --------------------------------------
 
-# Large enough that the two requires-grad heads span >= 2 DDP buckets: the seed's crash.
+# Large enough that the two requires-grad heads span >= 2 DDP buckets: the upstream TensorWrapper crash.
 LIGER_CONFIG = TinyConfig(vocab=8192, hidden=256, layers=1, seq=8)
 
 

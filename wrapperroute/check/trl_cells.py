@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..route import _isolated_losses
+from .._state import forget_isolated
 
 WORDS = [f"w{i}" for i in range(48)]
 # The DPO crash needs the Liger loss's two requires-grad heads (policy, unfrozen reference) to span >= 2 DDP
@@ -156,7 +156,7 @@ def trl_step(trainer_name: str, variant: str, folder: str) -> dict[str, Any]:
     from ..integrations.trl import liger_paths, patch_trl, unpatch_trl
 
     torch._dynamo.reset()
-    _isolated_losses.clear()
+    forget_isolated()
     # A compile that failed inside a torch.func transform (the "naive" variant) leaves saved-tensor hooks
     # disabled; gradient checkpointing would then fail in whatever runs next in this worker.
     if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]

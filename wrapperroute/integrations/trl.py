@@ -232,14 +232,23 @@ def patch_trl(mode: Mode = "isolate", forward_redirection: bool = True) -> TrlPa
         if cls is None:
             continue
         found += 1
-        label = f"{module_name}.{class_name}"
-        if "_compute_loss_liger" not in vars(cls) and f"{label}._compute_loss_liger" not in _applied:
-            notes.append(f"{label} defines no _compute_loss_liger (its Liger path, if any, is TRL's own): left alone")
+        # Patched on the class that defines each method: a re-exported or subclassed trainer (KTO moved out of
+        # trl.experimental) then shares one patch with the class it inherits from.
+        liger_owner = _defining(cls, "_compute_loss_liger")
+        if liger_owner is None:
+            notes.append(
+                f"{module_name}.{class_name} has no _compute_loss_liger (its Liger path, if any, is TRL's own): "
+                "left alone"
+            )
             continue
-        if f"{label}.compute_loss" not in _applied:
-            _set(f"{label}.compute_loss", cls, "compute_loss", _routed_compute_loss(cls.compute_loss))
-            _set(f"{label}._compute_loss_liger", cls, "_compute_loss_liger",
-                 _routed_liger(cls._compute_loss_liger, mode))  # fmt: skip
+        loss_owner = _defining(cls, "compute_loss")
+        for owner, attribute in ((liger_owner, "_compute_loss_liger"), (loss_owner, "compute_loss")):
+            label = f"{owner.__module__}.{owner.__qualname__}.{attribute}"
+            if label in _applied:
+                continue
+            original = owner.__dict__[attribute]
+            liger = attribute == "_compute_loss_liger"
+            _set(label, owner, attribute, _routed_liger(original, mode) if liger else _routed_compute_loss(original))
     if not found:
         notes.append(f"TRL {version} has no DPOTrainer or KTOTrainer")
     if forward_redirection:
@@ -258,6 +267,11 @@ def patch_trl(mode: Mode = "isolate", forward_redirection: bool = True) -> TrlPa
     log.info("wrapperroute.patch_trl: patched %s%s", list(result.patched) or "nothing",
              f" ({result.note})" if result.note else "")  # fmt: skip
     return result
+
+
+def _defining(cls: type, attribute: str) -> Any:
+    """The class in ``cls``'s MRO that defines ``attribute`` itself, or None."""
+    return next((c for c in cls.__mro__ if attribute in vars(c)), None)
 
 
 def _importable(module_name: str) -> bool:

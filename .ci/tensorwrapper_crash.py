@@ -1,4 +1,4 @@
-"""Does the seed's crash happen on this torch? Plain redirection of a freshly compiled Liger DPO loss with an
+"""Does the upstream TensorWrapper crash happen on this torch? Plain redirection of a freshly compiled Liger DPO loss with an
 unfrozen reference head inside DDP.forward ("Cannot access storage of TensorWrapper"), on 2 CPU ranks.
 
 Exit 0: it crashes (tests/test_route_ddp.py's fallback tests have their premise); 2: it does not, and plain
@@ -16,5 +16,5 @@ if __name__ == "__main__":
     crash = all("Cannot access storage of TensorWrapper" in (rank["error"] or "") for rank in ranks)
     exact = all(r["error"] is None and r["differ"] == 0 and r["max_ref_diff"] <= 1e-6 for r in ranks)
     said = "reproduces" if crash else f"does not reproduce (plain redirection exact: {exact})"
-    print(f"the seed's crash {said} on this torch", file=sys.stderr)
+    print(f"the upstream TensorWrapper crash {said} on this torch", file=sys.stderr)
     sys.exit(0 if crash else 2 if exact else 1)

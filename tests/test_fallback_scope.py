@@ -1,0 +1,56 @@
+"""The functorch fallback retries a loss only under a wrapper whose isolation changes something (DDP's forward
+marker): under FSDP2 the isolated rerun would be the same call again, so the error is raised as it is.
+
+One process, one real gloo rank: a loss that fails with the graph optimizer's message, counted."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import wrapperroute as wr
+from wrapperroute._state import forget_isolated, routing_state
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _failing_once(model: nn.Module, calls: list[int]) -> object:
+    def loss() -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("Cannot access storage of TensorWrapper")  # what DDP's graph optimizer raises
+        return model(torch.ones(2, 4)).sum()
+
+    return loss
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_fallback_only_where_isolation_changes_something(one_rank: None, wrapper: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Linear(4, 4)
+    wrapped = DDP(model) if wrapper == "ddp" else fully_shard(model)
+    calls: list[int] = []
+    loss = _failing_once(model, calls)
+    before = routing_state().isolated
+    if wrapper == "ddp":  # retried once, isolated, and isolated from now on
+        assert wr.route_loss(wrapped, model, loss).shape == ()  # type: ignore[arg-type]
+        assert len(calls) == 2 and routing_state().isolated - before
+    else:  # raised as it is: one call, nothing recorded
+        with pytest.raises(RuntimeError, match="TensorWrapper"):
+            wr.route_loss(wrapped, model, loss)  # type: ignore[arg-type]
+        assert len(calls) == 1 and routing_state().isolated == before
+    forget_isolated(routing_state().isolated - before)

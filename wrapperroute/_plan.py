@@ -1,0 +1,169 @@
+"""What ``route_loss`` learns about one model once (its plan), and the checks of ``unwrapped`` and ``gather=``
+against it. Plans hold every module weakly and are dropped with the model."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+from ._swap import _Swap, _swap_for
+from ._unrouted import speak_up
+from .adapters import registered
+from .detect import Detection, detect, plain_types
+from .errors import RouteTypeError, RouteValueError
+
+
+def _as_gather(gather: nn.Module | Iterable[nn.Module] | None) -> tuple[nn.Module, ...]:
+    if gather is None:
+        return ()
+    if isinstance(gather, nn.Module):
+        return (gather,)
+    if isinstance(gather, str):
+        raise RouteTypeError(
+            f"gather= takes modules, not names: got {gather!r}; pass unwrapped.get_submodule({gather!r})"
+        )
+    modules = tuple(gather)
+    for module in modules:
+        if not isinstance(module, nn.Module):
+            raise RouteTypeError(
+                f"gather= takes nn.Module objects (e.g. [unwrapped.lm_head]), got {type(module).__name__}"
+            )
+    return modules
+
+
+def _validate_inside(found: Detection, unwrapped: nn.Module, role: str) -> None:
+    if not isinstance(unwrapped, nn.Module):
+        raise RouteTypeError(
+            f"{role} must be an nn.Module or None, got {type(unwrapped).__name__}; pass the model your loss "
+            "reads (e.g. accelerator.unwrap_model(model)), or None to let wrapperroute find it"
+        )
+    if unwrapped is found.inner:
+        return
+    if any(
+        layer is unwrapped and any(adapter.kind == kind and adapter.distributed for adapter in registered())
+        for layer, kind in zip(found.layers, found.chain, strict=True)
+    ):
+        raise RouteValueError(
+            f"{role} is the {found.kind!r} wrapper layer itself, not the module inside it; a loss that calls it "
+            f"would enter the wrapper twice. Pass wrapperroute.detect(model).inner (or None) instead."
+        )
+    if any(layer is unwrapped for layer in found.layers):
+        return
+    if not any(sub is unwrapped for sub in found.inner.modules()):
+        raise RouteValueError(
+            f"{role} ({type(unwrapped).__name__}) is not inside model ({type(found.layers[0]).__name__}): "
+            "the wrapper cannot prepare parameters it does not own. Pass the module unwrapped from this model "
+            "(e.g. accelerator.unwrap_model(model) or model.module), or None."
+        )
+
+
+def _no_wrapper() -> None:
+    return None
+
+
+class _Plan:
+    """What route_loss learns about one model object once: the wrapper to call, its adapter, the module whose
+    forward is swapped, and the modules already checked to be inside the model.
+
+    Every module is held weakly: a plan must never keep a model (its parameters, its GPU memory) alive. It is
+    dropped with the model, and rebuilt when the model's class changes (fully_shard changes it), a wrapper it
+    names is gone, or, for a model without a wrapper, the inner module's class changes. (A layer swapped for
+    another while the old one lives on elsewhere is not noticed: route the new model object.)
+    """
+
+    __slots__ = (
+        "adapter",
+        "checked",
+        "entry_ref",
+        "inner_ref",
+        "inner_type",
+        "kind",
+        "lasting",
+        "model_ref",
+        "model_type",
+        "nothing_inside",
+        "picks_units",
+        "result_check",
+        "state",
+        "target_ref",
+        "wrapper_ref",
+    )  # fmt: skip
+
+    def __init__(self, model: nn.Module) -> None:
+        found = detect(model)  # first: it names a non-module argument clearly
+        self.model_ref = weakref.ref(model)
+        self.model_type = type(model)
+        self.kind = found.kind
+        self.inner_ref = weakref.ref(found.inner)
+        self.inner_type = type(found.inner)
+        wrapper, adapter = found.wrapper, found.adapter
+        self.lasting = True  # False: answered for this call only, not kept (see _unrouted.speak_up)
+        if wrapper is None:
+            self.lasting = speak_up(model, found)
+            # No distributed wrapper, but a layer whose forward must still run (Fabric on one device): route
+            # through that layer alone.
+            wrapper, adapter = found.entry, found.entry_adapter
+        self.wrapper_ref: Callable[[], nn.Module | None] = _no_wrapper
+        self.entry_ref: Callable[[], nn.Module | None] = _no_wrapper  # called instead of the wrapper, if set
+        if found.entry is not None and found.entry is not wrapper:
+            self.entry_ref = weakref.ref(found.entry)
+        self.adapter = adapter
+        self.target_ref: Callable[[], nn.Module | None] = _no_wrapper
+        self.state: _Swap | None = None
+        self.nothing_inside = self.picks_units = False
+        self.result_check: Callable[[nn.Module, Any], None] | None = None
+        if wrapper is not None and adapter is not None:
+            # nn.Module attribute lookups of submodules (``ddp.module``) cost a microsecond: once per model.
+            target = adapter.redirect_target(wrapper)
+            self.wrapper_ref, self.target_ref = weakref.ref(wrapper), weakref.ref(target)
+            self.state = _swap_for(target)
+            # The adapter's fast-path facts, read once: DDP's every step skips both.
+            self.picks_units = adapter.picks_units
+            self.nothing_inside = not adapter.enters_every_call
+            self.result_check = adapter.result_check(wrapper)
+        self.checked: dict[int, weakref.ref[nn.Module]] = {}
+
+    def current(self, model: nn.Module) -> bool:
+        """Still this model's plan: same object and class, and a wrapper it names alive (with none, the inner
+        module's class unchanged: fully_shard after a first call through a torch.compile or PEFT layer)."""
+        if self.model_ref() is not model or self.model_type is not type(model):
+            return False
+        if self.state is not None:
+            return self.wrapper_ref() is not None
+        return type(self.inner_ref()) is self.inner_type
+
+    def validate_inside(self, model: nn.Module, module: nn.Module, role: str) -> None:
+        known = self.checked.get(id(module))
+        if known is not None and known() is module:
+            return
+        _validate_inside(detect(model), module, role)
+        self.checked[id(module)] = weakref.ref(module)
+
+
+_plans: dict[int, _Plan] = {}
+
+
+# id -> class of the planned models with nothing to route through (and already spoken of): route_loss's fast
+# path, one dict lookup. A class change (fully_shard after a first call) misses it and plans again.
+_plain_models: dict[int, type] = {}
+
+
+def _forget(key: int) -> None:
+    _plans.pop(key, None)
+    _plain_models.pop(key, None)
+
+
+def _new_plan(model: nn.Module) -> _Plan:
+    plan = _Plan(model)
+    if not plan.lasting:
+        return plan
+    key = id(model)
+    if key not in _plans:
+        weakref.finalize(model, _forget, key)
+    _plans[key] = plan
+    if plan.state is None and type(model) in plain_types:
+        _plain_models[key] = type(model)
+    return plan
