@@ -22,6 +22,19 @@ from wrapperroute.ranks import RankPool  # noqa: E402
 WORLD_SIZE = 2
 
 
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """This process as the one rank of a gloo group, for a module's single-process tests of real wrappers."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def pool() -> Iterator[RankPool]:
     """Two gloo ranks, spawned once. A task that fails restarts them (see wrapperroute.ranks)."""

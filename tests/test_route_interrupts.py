@@ -16,29 +16,16 @@ multi-rank fault tests' job (tests/test_reliability.py, flat-parameter gradients
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from interrupt_points import count_points, interrupt_at
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import wrapperroute as wr
 from wrapperroute._state import routing_state
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 _MISSING = object()
 CASES = ["ddp", "ddp-find_unused", "ddp-isolate", "ddp-loss_calls_wrapper", "ddp-instance_forward", "fsdp1", "fsdp2"]

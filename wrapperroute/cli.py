@@ -182,6 +182,8 @@ def check(args: argparse.Namespace) -> int:
                 row = _row(wrapper, loss, routed, ranks)
             except Exception as error:  # a rank raised outside the cell, died or hung: report it, keep going
                 row = _failed_row(wrapper, loss, routed, error)
+                if not args.verbose:
+                    print(" (--verbose shows the ranks' own output)", end="", file=progress)
             rows.append(row)
             print(f" {row['verdict']} ({row['seconds']}s)", file=progress, flush=True)
     elapsed = time.perf_counter() - start

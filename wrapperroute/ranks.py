@@ -61,12 +61,17 @@ def _worker(rank: int, world_size: int, store_path: str, conn: Connection, env: 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     os.environ.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     threading.Thread(target=_watch_parent, args=(int(env["WRAPPERROUTE_PARENT_PID"]),), daemon=True).start()
-    if env.get("WRAPPERROUTE_QUIET") == "1":  # a CLI's ranks: libraries' warnings and log lines are noise there
+    if env.get("WRAPPERROUTE_QUIET") == "1":
+        # A CLI's ranks: what libraries print (warnings, log lines, DeepSpeed's build messages) would land in the
+        # middle of its progress lines. Results and errors travel over the pipe, not through these streams.
         import logging
         import warnings
 
         warnings.simplefilter("ignore")
         logging.disable(logging.WARNING)
+        quiet = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(quiet, 1)
+        os.dup2(quiet, 2)
     import torch
     import torch.distributed as dist
 

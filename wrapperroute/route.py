@@ -121,7 +121,7 @@ def route_loss(
             "before routing (and keep it until the last step), or route the unwrapped model without a wrapper."
         )
     nested: tuple[nn.Module, ...] = ()
-    if modules or not plan.picks_units:
+    if modules or plan.picks_units:
         adapter.validate_gather(wrapper, modules)
         nested = adapter.nested_units(wrapper, modules)
     if agree:  # the same call, then one flag exchanged, raised or not

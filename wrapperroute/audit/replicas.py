@@ -137,13 +137,17 @@ class Difference:
     max_abs_diff: float
 
 
-def compare(found: list[Replica], side: Any, grads_of: set[int] | None) -> tuple[int, list[Difference]]:
+def compare(
+    found: list[Replica], side: Any, grads_of: set[int] | None, params: bool = True
+) -> tuple[int, list[Difference]]:
     """Compare every replica with its copies on the other ranks (collective on ``side``, every rank calls it
     with the same keys). ``grads_of``: ids of the parameters whose gradients are compared now (None: no
-    gradient). Returns how many tensors were compared and the differences, worst first."""
+    gradient); ``params``: compare the parameters too (always, for replicas whose gradients are not compared).
+    Returns how many tensors were compared and the differences, worst first."""
     rows: list[tuple[str, str, torch.Tensor | None]] = []
     for replica in found:
-        rows.append((replica.key, "parameter", _local(replica.param)))
+        if params or not replica.grads:
+            rows.append((replica.key, "parameter", _local(replica.param)))
         if grads_of is not None and replica.grads and id(replica.param) in grads_of:
             grad = replica.param.grad
             rows.append((replica.key, "gradient", _local(grad) if grad is not None else None))

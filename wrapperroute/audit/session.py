@@ -3,8 +3,9 @@
 Before an audited optimizer step (``register_optimizer_step_pre_hook``, so every optimizer, wrapped ones
 too), every replica's gradient and parameter is compared across ranks (``replicas.py``): the gradients say
 whether this step's synchronisation happened, the parameters whether any earlier step or anything else
-(a rank skipping a step, different data in a buffer) made the replicas drift. When the script ends, or
-destroys the default process group, the parameters are compared once more. Every collective runs on a side
+(a rank skipping a step, different data in a buffer) made the replicas drift (with ``--steps all``, the
+parameters on every 8th audited step: see ``PARAMS_EVERY``). When the script ends, or destroys the default
+process group, the parameters are compared once more. Every collective runs on a side
 gloo group of its own, so none ever pairs with the script's; nothing is written to any tensor, and no random
 number is drawn, so the script's numerics are those of a run without the audit.
 """
@@ -31,6 +32,9 @@ from .replicas import _SEQ, Difference, compare, replicas, wrappers
 
 OnDesync = Literal["exit", "raise", "warn"]
 DESYNC_EXIT = 3  # the exit status of a run in which a desync was found
+# Auditing every step, parameters are compared on every 8th audited step (and at the end), gradients on each:
+# reading every parameter costs as much as reading every gradient, and a drift of the parameters persists.
+PARAMS_EVERY = 8
 
 
 class DesyncExit(SystemExit):
@@ -110,7 +114,8 @@ class Audit:
             return
         ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
         label = f"step {seen + 1}" + (f" of optimizer {index + 1}" if index else "")
-        self._check(label, ids, rescan=seen == 0)
+        params = self.steps is not None or seen % PARAMS_EVERY == 0
+        self._check(label, ids, rescan=seen == 0, params=params)
 
     def finish(self) -> None:
         """The last comparison (parameters only). Every rank calls it, once."""
@@ -118,7 +123,7 @@ class Audit:
             return
         self.finished = True
         if self._running() and self.checkpoints:
-            self._check("end", None, rescan=False)
+            self._check("end", None, rescan=False, params=True)
 
     def _known(self, rescan: bool) -> list[tuple[str, nn.Module]]:
         alive = [(kind, ref()) for kind, ref in self._wrappers or ()]
@@ -128,14 +133,14 @@ class Audit:
             return found
         return alive  # type: ignore[return-value]  # checked: none is None
 
-    def _check(self, label: str, grads_of: set[int] | None, rescan: bool) -> None:
+    def _check(self, label: str, grads_of: set[int] | None, rescan: bool, params: bool) -> None:
         # Every rank decides to rescan at the same points (same optimizers, same steps), so the wrapper lists,
         # and with them the keys compared, stay the same on every rank.
         found, kinds = replicas(self._known(rescan))
         self.kinds.update(kinds)
         if not found:
             return
-        compared, differences = compare(found, self._side_group(), grads_of)
+        compared, differences = compare(found, self._side_group(), grads_of, params)
         checkpoint = Checkpoint(label, compared, differences)
         self.checkpoints.append(checkpoint)
         if differences:
@@ -174,7 +179,7 @@ class Audit:
         elif self.checkpoints:
             compared = max(c.compared for c in self.checkpoints)
             line = (
-                f"wrapperroute audit: in sync ({steps} step(s) audited, {compared} tensors compared each, "
+                f"wrapperroute audit: in sync ({steps} step(s) audited, up to {compared} tensors compared per step, "
                 f"0 parameters differing, worst 0; wrappers: {wrappers})"
             )
         else:

@@ -3,15 +3,14 @@ FSDP2) as its own shard unit, which is the layout a plain root redirection gets 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import functools
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .wrappers import Wrapped, _sgd
+from .wrappers import Wrapped, _sgd, gradient_sync_off
 
 
 def _clean(name: str) -> str:
@@ -129,14 +128,7 @@ def build_fsdp2(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
             for name, p in model.named_parameters()
         }
 
-    @contextlib.contextmanager
-    def no_sync() -> Iterator[None]:
-        root.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            root.set_requires_gradient_sync(True)
-
+    no_sync = functools.partial(gradient_sync_off, root)
     return Wrapped(model, model, no_sync, full_grads, _sgd(model.parameters()))
 
 
@@ -157,12 +149,5 @@ def build_replicate_fsdp(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
             grads[name] = (grad.to_local() if hasattr(grad, "to_local") else grad).detach().clone()
         return grads
 
-    @contextlib.contextmanager
-    def no_sync() -> Iterator[None]:
-        root.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            root.set_requires_gradient_sync(True)
-
+    no_sync = functools.partial(gradient_sync_off, root)
     return Wrapped(model, model, no_sync, full_grads, _sgd(model.parameters()))

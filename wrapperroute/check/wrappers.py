@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -100,21 +101,22 @@ def build_ddp(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
     return Wrapped(ddp, model, ddp.no_sync, _replicated_grads(model), _sgd(ddp.parameters()))
 
 
+@contextlib.contextmanager
+def gradient_sync_off(module: Any) -> Iterator[None]:
+    """``no_sync()`` for the wrappers that are the module itself (composable replicate, FSDP2)."""
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
 def build_replicate(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
     """torch's composable ``replicate()`` (DDP with no wrapper object); opts are DDP's."""
     from torch.distributed._composable.replicate import replicate
 
     replicate(model, **opts)
-    module: Any = model
-
-    @contextlib.contextmanager
-    def no_sync() -> Iterator[None]:
-        module.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            module.set_requires_gradient_sync(True)
-
+    no_sync = functools.partial(gradient_sync_off, model)
     return Wrapped(model, model, no_sync, _replicated_grads(model), _sgd(model.parameters()))
 
 

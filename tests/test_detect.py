@@ -1,0 +1,78 @@
+"""``detect`` on real wrappers in one process (one gloo rank), and the autocast keeper (``_kept.py``) on the
+forward accelerate's mixed precision installs."""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from wrapperroute import RouteTypeError, detect
+from wrapperroute._kept import kept_forward_context
+from wrapperroute.check.models import TinyConfig, build_model
+
+
+def test_plain_module_and_compile_layer() -> None:
+    model = build_model(TinyConfig())
+    found = detect(model)
+    assert (found.kind, found.chain, found.inner) == ("none", ("module",), model)
+    assert found.wrapper is None and found.entry is None
+    compiled = detect(torch.compile(model))
+    assert compiled.chain == ("compile", "module") and compiled.inner is model and not compiled.distributed
+
+
+def test_not_a_module_is_named() -> None:
+    with pytest.raises(RouteTypeError, match="got type"):
+        detect(nn.Linear)  # type: ignore[arg-type]
+
+
+def test_wrappers_on_one_rank(one_rank: None) -> None:
+    from torch.distributed._composable.replicate import replicate
+    from torch.distributed.fsdp import fully_shard
+
+    inner = build_model(TinyConfig())
+    ddp = detect(torch.compile(DDP(inner)))
+    assert (ddp.kind, ddp.chain, ddp.inner) == ("ddp", ("compile", "ddp", "module"), inner)
+    assert ddp.entry is ddp.wrapper and ddp.details["find_unused_parameters"] is False
+    composable = replicate(build_model(TinyConfig()), find_unused_parameters=True)
+    found = detect(composable)
+    assert (found.kind, found.chain, found.wrapper) == ("replicate", ("replicate", "module"), composable)
+    assert found.details["find_unused_parameters"] is True  # read before the lazy DDP exists
+    sharded = build_model(TinyConfig())
+    fully_shard(sharded.lm_head)
+    fully_shard(sharded)
+    fsdp2 = detect(sharded)
+    assert (fsdp2.kind, fsdp2.chain, fsdp2.details["nested_groups"]) == ("fsdp2", ("fsdp2", "module"), 1)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed")
+def test_fabric_on_one_device_is_entered_not_distributed() -> None:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1, precision="bf16-mixed")
+    model = build_model(TinyConfig())
+    module = fabric.setup_module(model)
+    found = detect(module)
+    assert (found.kind, found.chain, found.inner) == ("none", ("fabric", "module"), model)
+    assert found.entry is module and not found.distributed
+
+
+def test_autocast_kept_from_an_instance_forward() -> None:
+    """accelerate's mixed precision wraps the instance forward in autocast (and an fp32 output conversion):
+    the keeper finds the autocast and re-enters one with the same settings; a class forward keeps nothing."""
+    model = nn.Linear(4, 4)
+    assert kept_forward_context(model, model.forward) is None  # no instance forward
+    wrapped = torch.autocast("cpu", dtype=torch.bfloat16)(type(model).forward)
+    model.forward = types.MethodType(wrapped, model)
+    context = kept_forward_context(model, model.forward)
+    assert context is not None
+    with context():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu")
+    plain = nn.Linear(4, 4)
+    plain.forward = types.MethodType(type(plain).forward, plain)  # an instance forward with nothing around it
+    assert kept_forward_context(plain, plain.forward) is None
