@@ -151,20 +151,22 @@ def test_patch_trl_is_idempotent_and_reversible(monkeypatch: pytest.MonkeyPatch)
         assert utils._ForwardRedirection is ForwardRedirection
         import trl.trainer.grpo_trainer as grpo  # imported after the patch: takes ours from trl.models.utils
 
-        assert grpo._ForwardRedirection is ForwardRedirection
+        # a GRPO trainer that imports TRL's redirection (not every release does) takes ours
+        assert getattr(grpo, "_ForwardRedirection", ForwardRedirection) is ForwardRedirection
         if _defines_liger_loss("dpo"):
             assert "trl.trainer.dpo_trainer.DPOTrainer.compute_loss" in first.patched
             assert DPOTrainer.compute_loss is not originals[0]
         else:  # only the redirection is replaced; the note says why
             assert not any("DPOTrainer" in label for label in first.patched), first.patched
             assert "DPOTrainer has no _compute_loss_liger" in first.note and DPOTrainer.compute_loss is originals[0]
-        if _defines_liger_loss("kto"):
-            assert "trl.trainer.kto_trainer.KTOTrainer._compute_loss_liger" in first.patched
+        if _defines_liger_loss("kto"):  # patched on the class that defines it (trl.experimental's, before 1.8)
+            owner = next(c for c in KTOTrainer.__mro__ if "_compute_loss_liger" in vars(c))
+            assert f"{owner.__module__}.{owner.__qualname__}._compute_loss_liger" in first.patched, first.patched
     finally:
         unpatch_trl()
     assert (DPOTrainer.compute_loss, getattr(KTOTrainer, "_compute_loss_liger", None)) == originals
     assert utils._ForwardRedirection is not ForwardRedirection
-    assert grpo._ForwardRedirection is utils._ForwardRedirection  # swept back too
+    assert getattr(grpo, "_ForwardRedirection", utils._ForwardRedirection) is utils._ForwardRedirection  # back too
 
     from wrapperroute.integrations.trl import _LIGER_TRAINERS
 
@@ -223,7 +225,8 @@ def test_patch_trl_fixes_liger_desync(pool: RankPool, trainer: str, tmp_path: pa
     else:  # TRL's own fix: exact unpatched, and patch_trl (its redirection replaced by ours) keeps it exact
         assert not before["errors"] and before["differ"] == 0 and before["max_diff"] == 0.0, before
         assert not any("Trainer" in label for label in after["patch"]), after["patch"]
-        assert after["redirection"] == "wrapperroute.integrations.trl", after["redirection"]  # ours ran
+        if after["redirection"] is not None:  # a trainer that still redirects (1.14) runs ours
+            assert after["redirection"] == "wrapperroute.integrations.trl", after["redirection"]
 
 
 @needs_trl
