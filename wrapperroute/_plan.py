@@ -107,7 +107,7 @@ class _Plan:
             # through that layer alone.
             wrapper, adapter = found.entry, found.entry_adapter
         self.wrapper_ref: Callable[[], nn.Module | None] = _no_wrapper
-        self.entry_ref: Callable[[], nn.Module | None] = _no_wrapper  # called instead of the wrapper, if set
+        self.entry_ref: weakref.ref[nn.Module] | None = None  # called instead of the wrapper, if set
         if found.entry is not None and found.entry is not wrapper:
             self.entry_ref = weakref.ref(found.entry)
         self.adapter = adapter

@@ -12,34 +12,27 @@
 from __future__ import annotations
 
 import sys
-import types
 import warnings
 
 import torch.distributed as dist
 from torch import nn
 
 from .adapters import registered
+from .adapters._hooks import modules_being_called
 from .detect import Detection, unrouted_state
 from .errors import RouteValueError, UnroutedModelWarning
-
-_CALL_IMPL = nn.Module._call_impl.__code__
 
 
 def enclosing_wrapper(model: nn.Module) -> nn.Module | None:
     """The distributed wrapper whose forward this thread is running and that contains ``model``, or None."""
     distributed = [adapter for adapter in registered() if adapter.distributed]
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is _CALL_IMPL:
-            module = frame.f_locals.get("self")
-            if (
-                isinstance(module, nn.Module)
-                and module is not model
-                and any(adapter.claims(module) for adapter in distributed)
-                and any(sub is model for sub in module.modules())
-            ):
-                return module
-        frame = frame.f_back
+    for module in modules_being_called(sys._getframe(1)):
+        if (
+            module is not model
+            and any(adapter.claims(module) for adapter in distributed)
+            and any(sub is model for sub in module.modules())
+        ):
+            return module
     return None
 
 

@@ -137,10 +137,11 @@ def route_loss(
     inside = None if plan.nothing_inside and not (isolate or modules or nested) else _Inside(adapter, isolate, modules,
                                                                                              nested)  # fmt: skip
     target = plan.target_ref()
+    entry = None if plan.entry_ref is None else plan.entry_ref()  # Fabric's module, called around the wrapper
     hooks_enabled = _saved_tensor_hooks_enabled()
     try:
         call = _Token(wrapper, fn, args, kwargs, inside, plan.result_check)
-        return _enter_wrapper(wrapper, adapter, target, state, call, plan.entry_ref())
+        return _enter_wrapper(wrapper, adapter, target, state, call, entry)
     except _RefusedError:
         raise  # nothing was entered; the wrapper belongs to the thread inside it: leave it alone
     except BaseException as error:  # KeyboardInterrupt too: a notebook user may go on training
@@ -166,7 +167,7 @@ def route_loss(
     )
     try:
         call = _Token(wrapper, fn, args, kwargs, _Inside(adapter, True, modules, nested), plan.result_check)
-        return _enter_wrapper(wrapper, adapter, target, state, call, plan.entry_ref())
+        return _enter_wrapper(wrapper, adapter, target, state, call, entry)
     except BaseException:
         _recover(adapter, wrapper)
         raise

@@ -11,6 +11,7 @@ leaving the generator suspended) must not leave the module without hooks; ``put_
 from __future__ import annotations
 
 import contextlib
+import types
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +22,19 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
 
 # Hook dicts set aside while a loss runs, until put back (by the loss's exit, or by recover() after a fault).
 _set_aside: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def modules_being_called(frame: types.FrameType | None) -> Iterator[nn.Module]:
+    """The modules whose ``__call__`` is running in ``frame`` or its callers, innermost first (this thread)."""
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            module = frame.f_locals.get("self")
+            if isinstance(module, nn.Module):
+                yield module
+        frame = frame.f_back
 
 
 def put_hooks_back(module: nn.Module, saved: dict[str, Any] | None = None) -> None:

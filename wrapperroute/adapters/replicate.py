@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,11 +24,9 @@ from torch.distributed._composable.replicate import DDP as ComposableDDP
 from torch.distributed._composable.replicate import replicate
 from torch.nn.parallel import DistributedDataParallel
 
-from ._hooks import hooks_set_aside, put_hooks_back
+from ._hooks import hooks_set_aside, modules_being_called, put_hooks_back
 from .base import Adapter
 from .ddp import check_loss_reachable, concurrency_reason, group_ranks, without_graph_optimizer
-
-_CALL_IMPL = nn.Module._call_impl.__code__
 
 
 def _ddp_of(module: nn.Module) -> DistributedDataParallel | None:
@@ -63,12 +60,8 @@ class ReplicateAdapter(Adapter):
         active = DistributedDataParallel._active_ddp_module
         if active is None or active is not _ddp_of(wrapper):  # set by the pre-hook, cleared by the post-hook
             return False
-        frame: types.FrameType | None = sys._getframe(1)  # the marker is process-wide: this thread's stack decides
-        while frame is not None:
-            if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is wrapper:
-                return True
-            frame = frame.f_back
-        return False
+        # the marker is process-wide: this thread's stack decides
+        return any(module is wrapper for module in modules_being_called(sys._getframe(1)))
 
     def describe(self, wrapper: nn.Module) -> dict[str, Any]:
         return {

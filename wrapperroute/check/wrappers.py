@@ -125,11 +125,15 @@ def build_fabric(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
     reads ``fabric_module.module`` (the user's model), the pattern that bypasses Fabric's forward."""
     import os
 
+    import torch.distributed as dist
     from lightning.fabric import Fabric
 
+    # Fabric reads the launcher's variables (a Lightning Trainer's teardown removes them): set from the group.
+    rank, world = str(dist.get_rank()), str(dist.get_world_size())
+    os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)
     fabric = Fabric(
         accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
+        devices=dist.get_world_size(),
         strategy=opts.get("strategy", "ddp"),
         precision=opts.get("precision", "32-true"),
     )
