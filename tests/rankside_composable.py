@@ -185,6 +185,10 @@ def unrouted_warnings() -> dict[str, Any]:
     out["hand_rolled"] = said(HandRolled(build_model(CONFIG)))
     out["second_hand_rolled"] = said(HandRolled(build_model(CONFIG)))  # another model of the same class
     out["frozen"] = said(build_model(CONFIG).requires_grad_(False))
+    teacher = HandRolled(build_model(CONFIG))  # trainable, but called without grad first: judged at each call
+    with torch.no_grad():
+        out["no_grad"] = said(teacher)
+    out["no_grad_then_grad"] = said(teacher)
     from torch.distributed._composable.contract import contract
 
     @contract()

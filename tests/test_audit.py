@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 from conftest import REPO
 
+from wrapperroute.ranks import RankPool
+
 SCRIPTS = REPO / "tests" / "audit_scripts"
 HAS = {name: importlib.util.find_spec(name) is not None for name in ("deepspeed", "trl", "liger_kernel", "accelerate")}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "DS_ACCELERATOR": "cpu",
@@ -211,3 +213,24 @@ def test_single_process_audits_nothing_and_says_so() -> None:
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "wrapperroute audit: nothing audited" in done.stdout
+
+
+# --- the comparison itself, on the pool's ranks --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra_on_rank", [None, 1], ids=["same keys", "rank 1 holds one more"])
+def test_compare_finds_the_one_differing_gradient(pool: RankPool, extra_on_rank: int | None) -> None:
+    """The signatures travel as one tensor when every rank compares the same keys, the rows themselves when
+    not: either way the one gradient that differs is found, with its exact difference, and nothing else."""
+    import rankside_audit
+
+    for differ_at, expected in ((None, []), ("b", [("ddp[0].b", "gradient", 0.5)])):
+        results = pool.run(rankside_audit.compare_replicas, differ_at, extra_on_rank)
+        for rank, result in enumerate(results):
+            keys = 3 + (rank == extra_on_rank)
+            assert result["compared"] == 2 * keys, result
+            found = [(k, w, pytest.approx(d, abs=1e-6)) for k, w, d in result["differences"]]
+            if extra_on_rank is None:
+                assert found == expected, result
+            else:  # the key only rank 1 holds has no copy to be compared with
+                assert found == expected, result

@@ -100,3 +100,14 @@ def test_four_rank_layouts_said_when_left_out() -> None:
     """With 2 ranks, the layouts that need 4 are named on stderr with the flag that runs them."""
     done = _cli("check", "--wrappers", "hsdp", timeout=60)
     assert done.returncode == 2 and "needs at least 4 ranks (--nproc 4)" in done.stderr, done.stderr
+
+
+def test_trl_verdict_needs_a_gradient() -> None:
+    """A TRL step that produced no gradient is in sync trivially: never called exact (it fails check --trl)."""
+    from wrapperroute.cli import _trl_verdict
+
+    row = {"variant": "patched", "error": None, "differ": 0, "max_diff": 0.0, "nonzero": 12}
+    assert _trl_verdict(row) == "exact"
+    assert _trl_verdict({**row, "nonzero": 0}) == "no gradient"
+    assert _trl_verdict({**row, "variant": "unpatched", "differ": 3, "max_diff": 0.1}) == "desync"
+    assert _trl_verdict({**row, "error": "Traceback ..."}) == "FAIL"

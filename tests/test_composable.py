@@ -155,6 +155,12 @@ def test_quiet_for_a_frozen_module(said: list[dict[str, Any]]) -> None:
         assert rank["frozen"] == []
 
 
+def test_quiet_under_no_grad_until_a_call_with_grad(said: list[dict[str, Any]]) -> None:
+    for rank in said:
+        assert rank["no_grad"] == [], rank["no_grad"]
+        assert len(rank["no_grad_then_grad"]) == 1 and "HandRolled" in rank["no_grad_then_grad"][0], rank
+
+
 def test_unknown_composable_state_is_an_error(said: list[dict[str, Any]]) -> None:
     for rank in said:
         assert rank["composable"] is not None and rank["composable"].startswith("RouteValueError"), rank

@@ -242,3 +242,29 @@ def test_naive_dpo_fix(pool: RankPool, tmp_path: pathlib.Path) -> None:
         assert len(naive["errors"]) == 2 and all("TensorWrapper" in error for error in naive["errors"].values())
     else:
         assert not naive["errors"] and naive["differ"] == 0 and naive["params"] > 0, naive
+
+
+@needs_trl
+@pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed")
+@pytest.mark.parametrize("trainer", ["grpo", "gkd", "distill"])
+def test_other_liger_trainers_under_ddp(pool: RankPool, trainer: str, tmp_path: pathlib.Path) -> None:
+    """GRPO (Liger GRPO loss), GKD and the distillation trainer (Liger JSD): one real step each, as installed
+    and patched. Where the installed trainer routes its Liger loss through a redirection of its own (measured on
+    TRL 1.12: all three), it is in sync as installed and stays exact with ours in its place; the step trained
+    (non-zero gradients), or the comparison would prove nothing."""
+    from wrapperroute.check.trl_cells import TRAINERS
+
+    module = importlib.import_module(TRAINERS[trainer][0])
+    if getattr(module, TRAINERS[trainer][2], None) is None:
+        pytest.skip(f"the installed TRL has no {TRAINERS[trainer][2]}")
+    before = _trl_step(pool, trainer, "unpatched", tmp_path)
+    after = _trl_step(pool, trainer, "patched", tmp_path)
+    print(f"\n{_row(before)}\n{_row(after)}")
+    assert not after["errors"], after["errors"]
+    assert after["wrapper"] == "DistributedDataParallel"
+    assert after["differ"] == 0 and after["max_diff"] == 0.0 and after["nonzero"] > 0, after
+    if before["redirection"] is not None:  # the trainer routes its Liger loss itself
+        assert not before["errors"] and before["differ"] == 0 and before["nonzero"] > 0, before
+        assert after["redirection"] == "wrapperroute.integrations.trl", after["redirection"]
+    else:  # no redirection of its own: the bug, measured
+        assert before["errors"] or before["differ"] == before["params"] > 0, before

@@ -4,7 +4,8 @@
   would do something wrapperroute cannot reproduce around the loss.
 - Several ranks, trainable parameters, and no wrapper: an :class:`~wrapperroute.UnroutedModelWarning`, once per
   model (each rank may be training its own copy).
-- Quiet: a single process; a module with no trainable parameter (a frozen reference model); a call made inside
+- Quiet: a single process; a module with no trainable parameter (a frozen reference model); a call under
+  ``torch.no_grad()`` (a distillation teacher's forward: no gradient comes of it); a call made inside
   the forward of a distributed wrapper that contains the module (a Lightning ``training_step`` runs inside the
   strategy's wrapper, so the wrapper is armed already and the loss is simply called).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import sys
 import warnings
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -50,6 +52,8 @@ def speak_up(model: nn.Module, found: Detection) -> bool:
         return True
     if not any(p.requires_grad for p in model.parameters()):
         return True
+    if not torch.is_grad_enabled():
+        return False  # no gradient comes of this call (a teacher's no_grad forward); a later call is judged again
     if enclosing_wrapper(model) is not None:
         return False
     warnings.warn(

@@ -207,9 +207,13 @@ def _liger_trainers() -> tuple[str, list[str], list[str]]:
     from .check.trl_cells import TRAINERS
 
     found, left = [], []
-    for name, (config_name, trainer_name) in TRAINERS.items():
-        config = getattr(trl, config_name, None)
-        if config is None or getattr(trl, trainer_name, None) is None:
+    for name, (module_name, config_name, trainer_name) in TRAINERS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            module = None
+        config = getattr(module, config_name, None)
+        if config is None or getattr(module, trainer_name, None) is None:
             left.append(f"wrapperroute: TRL {trl.__version__} has no {trainer_name}: not checked")
         elif "use_liger_kernel" not in {field.name for field in dataclasses.fields(config)}:
             left.append(f"wrapperroute: TRL {trl.__version__}'s {config_name} has no use_liger_kernel: no Liger path")
@@ -270,6 +274,8 @@ def check_trl(args: argparse.Namespace) -> int:
 def _trl_verdict(row: dict[str, Any]) -> str:
     if row.get("error"):
         return "crashes" if row["variant"] == "unpatched" else "FAIL"
+    if row.get("nonzero") == 0:  # a step that produced no gradient cannot show a desync: never "exact"
+        return "no gradient"
     exact = row["differ"] == 0 and row["max_diff"] == 0.0
     if row["variant"] == "patched":
         return "exact" if exact else "FAIL"

@@ -29,7 +29,17 @@ LIGER_VOCAB, LIGER_HIDDEN = 8192, 64
 # Liger's Triton kernels need a GPU; the chunked DPO/KTO losses (pure torch) still run with these off.
 NO_TRITON = {"rope": False, "rms_norm": False, "swiglu": False, "cross_entropy": False,
              "fused_linear_cross_entropy": False}  # fmt: skip
-TRAINERS = {"dpo": ("DPOConfig", "DPOTrainer"), "kto": ("KTOConfig", "KTOTrainer")}
+# name -> (module, config class, trainer class): TRL's trainers with a fused Liger loss, each looked up in the
+# installed TRL (GKD is experimental).
+TRAINERS = {
+    "dpo": ("trl", "DPOConfig", "DPOTrainer"),
+    "kto": ("trl", "KTOConfig", "KTOTrainer"),
+    "grpo": ("trl", "GRPOConfig", "GRPOTrainer"),
+    "gkd": ("trl.experimental.gkd", "GKDConfig", "GKDTrainer"),
+    "distill": ("trl", "DistillationConfig", "DistillationTrainer"),
+}
+# A tiny chat template (GKD's collator applies one); the words only need to be in the vocabulary.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w0{% endif %}"
 VARIANTS = ("unpatched", "patched", "naive")
 
 
@@ -67,9 +77,11 @@ def tokenizer() -> Any:
     vocab = {token: i for i, token in enumerate(["<pad>", "<s>", "</s>", "<unk>", *WORDS])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
+    made = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
+    made.chat_template = CHAT_TEMPLATE
+    return made
 
 
 class GradProbe:
@@ -131,6 +143,48 @@ def _kto_rows(rows: int) -> list[dict[str, Any]]:
     ]
 
 
+def _chat_rows(rows: int) -> list[dict[str, Any]]:
+    generator = torch.Generator().manual_seed(55)
+    return [
+        {"messages": [{"role": "user", "content": _sentence(generator, 4)},
+                      {"role": "assistant", "content": _sentence(generator, 3)}]}
+        for _ in range(rows)
+    ]  # fmt: skip
+
+
+def _prompt_rows(rows: int) -> list[dict[str, str]]:
+    generator = torch.Generator().manual_seed(33)
+    return [{"prompt": _sentence(generator, 4)} for _ in range(rows)]
+
+
+def _reward(completions: list[str], completion_ids: list[list[int]] | None = None, **_: Any) -> list[float]:
+    """A deterministic reward that differs between completions, so GRPO's advantages are not all 0. Read from
+    the token ids where TRL passes them: the tiny tokenizer decodes most of a random model's tokens to ''."""
+    rows = completion_ids if completion_ids is not None else [list(map(ord, text)) for text in completions]
+    return [float(sum(ids) % 7) for ids in rows]
+
+
+def _setup(trainer_name: str, folder: str) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """(rows, extra config arguments, extra trainer arguments) for one trainer's step."""
+    from transformers import AutoModelForCausalLM
+
+    if trainer_name == "dpo":
+        return preference_rows(8), {}, {}
+    if trainer_name == "kto":
+        return _kto_rows(8), {}, {}
+    if trainer_name == "grpo":
+        config = {"num_generations": 2, "max_completion_length": 4, "beta": 0.0}
+        return _prompt_rows(8), config, {"reward_funcs": _reward}
+    teacher = AutoModelForCausalLM.from_pretrained(folder)  # the same weights: a real, non-zero JSD all the same
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in teacher.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    if trainer_name == "gkd":  # off-policy only (lmbda 0): no generation, the step is the Liger JSD loss
+        return _chat_rows(8), {"lmbda": 0.0, "seq_kd": False, "max_length": 16}, {"teacher_model": teacher}
+    return _prompt_rows(8), {"max_completion_length": 4}, {"teacher_model": teacher}
+
+
 def _fill_model_folder(folder: str) -> None:
     """Rank 0 writes the tiny model into ``folder`` (transformers saves on global rank 0 only once a process
     group exists); the others wait. The caller owns and removes the folder."""
@@ -173,20 +227,22 @@ def trl_step(trainer_name: str, variant: str, folder: str) -> dict[str, Any]:
     probe = GradProbe()
     liger_paths.clear()
     try:
-        import trl
+        import importlib
 
-        config_name, trainer_class = TRAINERS[trainer_name]
-        config_cls, trainer_cls = getattr(trl, config_name), getattr(trl, trainer_class)
+        module_name, config_name, trainer_class = TRAINERS[trainer_name]
+        module = importlib.import_module(module_name)
+        config_cls, trainer_cls = getattr(module, config_name), getattr(module, trainer_class)
         _fill_model_folder(folder)
+        rows, config, extra = _setup(trainer_name, folder)
         with tempfile.TemporaryDirectory() as out:
             common = {"use_liger_kernel": True, "liger_kernel_config": NO_TRITON, "remove_unused_columns": False}
-            rows = preference_rows(8) if trainer_name == "dpo" else _kto_rows(8)
             trainer: Any = trainer_cls(
                 model=AutoModelForCausalLM.from_pretrained(folder),
-                args=training_args(config_cls, out, **common),
+                args=training_args(config_cls, out, **common, **config),
                 train_dataset=Dataset.from_list(rows),
                 processing_class=tokenizer(),
                 callbacks=[probe],
+                **extra,
             )
             trainer.train()
             result["wrapper"] = type(trainer.model_wrapped).__name__
@@ -204,7 +260,7 @@ def trl_step(trainer_name: str, variant: str, folder: str) -> dict[str, Any]:
 
 def compare_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Rank 0's row with every rank's error and, when every rank trained, the gradients compared across ranks
-    (``params``, ``differ``, ``max_diff``)."""
+    (``params``, ``differ``, ``max_diff``; ``nonzero``: parameters with a non-zero gradient on rank 0)."""
     errors = {rank: r["error"] for rank, r in enumerate(results) if r["error"]}
     row = {key: value for key, value in results[0].items() if key != "grads"}
     row.update(errors=errors, error=results[0]["error"] or next(iter(errors.values()), None))
@@ -214,5 +270,6 @@ def compare_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
             row["error"] = "the ranks recorded no gradients, or different parameters"
             return row
         diffs = [max(float((g[name] - grads[0][name]).abs().max()) for g in grads[1:]) for name in grads[0]]
-        row.update(params=len(diffs), differ=sum(d > 0 for d in diffs), max_diff=max(diffs))
+        nonzero = sum(bool(grad.any()) for grad in grads[0].values())  # a step with no gradient proves nothing
+        row.update(params=len(diffs), differ=sum(d > 0 for d in diffs), max_diff=max(diffs), nonzero=nonzero)
     return row

@@ -1,0 +1,29 @@
+"""Rank bodies for tests/test_audit.py: the audit's cross-rank comparison on real gloo ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from wrapperroute.audit.replicas import Replica, compare
+
+
+def compare_replicas(differ_at: str | None, extra_on_rank: int | None) -> dict[str, Any]:
+    """Three replicated parameters with gradients (equal on every rank unless ``differ_at`` names one, which
+    rank 1 perturbs by 0.5); ``extra_on_rank``: that rank alone holds a fourth (the ranks' key lists differ)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    params = {name: torch.nn.Parameter(torch.randn(64, 8)) for name in ("a", "b", "c", "d")}
+    for param in params.values():
+        param.grad = torch.randn_like(param)
+    if differ_at is not None and rank == 1:
+        with torch.no_grad():
+            params[differ_at].grad.add_(0.5)
+    names = ["a", "b", "c"] + (["d"] if rank == extra_on_rank else [])
+    found = [Replica(f"ddp[0].{n}", "ddp", params[n], (), True) for n in names]
+    side = dist.new_group(backend="gloo")
+    compared, differences = compare(found, side, {id(p) for p in params.values()}, params=True)
+    dist.destroy_process_group(side)
+    return {"compared": compared, "differences": [(d.key, d.what, d.max_abs_diff) for d in differences]}
