@@ -19,7 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from wrapperroute.check.cell import _compare_across_ranks
 from wrapperroute.check.models import TinyConfig, build_model
-from wrapperroute.check.trl_cells import GradProbe, lm_rows, tiny_llama, trainer_grads, training_args
+from wrapperroute.check.trl_cells import lm_rows, tiny_llama, training_args
+from wrapperroute.check.trl_layouts import GradProbe, whole_grads
 from wrapperroute.decorators import routed
 
 
@@ -80,7 +81,7 @@ def routed_functions_ddp() -> dict[str, Any]:
         model = build_model(config)
         ddp = DDP(model)
         call(ddp).backward()
-        results[name] = _measure(trainer_grads(model))
+        results[name] = _measure(whole_grads(model))
     return results
 
 
@@ -138,7 +139,7 @@ def forward_redirection_ddp(use_trl: bool) -> dict[str, Any]:
     ddp = DDP(model)
     loss = redirection_class()(ddp, model, _fused_ce, model, ids)
     loss.backward()
-    return {**_measure(trainer_grads(model)), "forward_left": "forward" in model.__dict__}
+    return {**_measure(whole_grads(model)), "forward_left": "forward" in model.__dict__}
 
 
 __all__ = ["forward_redirection_ddp", "hf_trainer_routed", "routed_functions_ddp"]

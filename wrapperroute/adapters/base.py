@@ -18,10 +18,10 @@ replicate          distributed, isolates, enters_every_call     the same, and re
 fsdp1              distributed, shards, picks_units             redirect_target, in_forward, describe, recover,
                                                                 nested_units, step_ranks
 fsdp2              distributed, shards, picks_units,            in_forward, describe, recover, nested_units,
-                   enters_every_call                            inside (hooks set aside), step_ranks
+                   enters_every_call                            inside (hooks set aside), step_ranks, read_whole
 replicate_fsdp     as fsdp2, not shards                         claims
 deepspeed          distributed, shards, picks_units,            in_forward, describe, validate_gather, recover,
-                   enters_every_call                            concurrency_error, inside, step_ranks
+                   enters_every_call                            concurrency_error, inside, step_ranks, read_whole
 =================  ===========================================  =============================================
 
 The class facts are read once per model and decide ``route_loss``'s fast path; the methods are asked per call
@@ -135,6 +135,13 @@ class Adapter:
         """The global ranks that all run this wrapper's step (``agree=True`` exchanges its flag among them);
         None: every rank of the default group."""
         return None
+
+    def read_whole(self, wrapper: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Context entered *outside* the wrapper's forward in which a frozen model's weights that a loss reads
+        directly (the root's own parameters, the output embedding) are whole: a reference or teacher model that
+        the loss reads under no gradient. Nothing is reduced. The default: a replicated wrapper holds them
+        whole already."""
+        return NOTHING
 
     def validate_gather(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> None:
         """Reject ``gather=`` entries this wrapper cannot honour.

@@ -27,6 +27,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import nn
 
 from ..errors import RouteValueError
+from ._units import output_embedding
 from .base import Adapter
 from .ddp import group_ranks
 
@@ -94,6 +95,17 @@ class DeepSpeedAdapter(Adapter):
         return "a DeepSpeed engine keeps one forward's state (ZeRO-3 gathers, timers, hooks) and is not thread-safe"
 
     @contextlib.contextmanager
+    def read_whole(self, wrapper: nn.Module) -> Iterator[None]:
+        # Submodules gather their own parameters when called; only a direct read (the head) needs a gather.
+        engine: DeepSpeedEngine = wrapper
+        head = output_embedding(engine.module)
+        if _stage(engine) != 3 or head is None:
+            yield
+            return
+        with _gathered(engine, (head,), track=False):
+            yield
+
+    @contextlib.contextmanager
     def inside(self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]) -> Iterator[None]:
         engine: DeepSpeedEngine = wrapper
         if _stage(engine) != 3:
@@ -145,7 +157,9 @@ def _drop_kept_epilogue(engine: DeepSpeedEngine, epilogue: Callable[[], None] | 
 
 
 @contextlib.contextmanager
-def _gathered(engine: DeepSpeedEngine, gather: tuple[nn.Module, ...]) -> Iterator[None]:
+def _gathered(engine: DeepSpeedEngine, gather: tuple[nn.Module, ...], track: bool = True) -> Iterator[None]:
+    """``gather``'s partitioned parameters whole; ``track``: inside the engine's forward, registered with its
+    root so backward gathers them again and reduce-scatters their gradients (outside it: read only)."""
     seen: set[int] = set()
     params = []
     for module in gather:
@@ -162,5 +176,5 @@ def _gathered(engine: DeepSpeedEngine, gather: tuple[nn.Module, ...]) -> Iterato
     import deepspeed
 
     # fwd_module: the root's backward hooks gather these again for backward and reduce-scatter their grads.
-    with deepspeed.zero.GatheredParameters(params, fwd_module=engine.module):
+    with deepspeed.zero.GatheredParameters(params, fwd_module=engine.module if track else None):
         yield

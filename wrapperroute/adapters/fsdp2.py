@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -102,6 +103,20 @@ class FSDP2Adapter(Adapter):
         self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]
     ) -> contextlib.AbstractContextManager[Any]:
         return hooks_set_aside(wrapper)
+
+    @contextlib.contextmanager
+    def read_whole(self, wrapper: nn.Module) -> Iterator[None]:
+        # The root's group and the output embedding's unit: a backbone called as a submodule unshards its
+        # layers' groups itself, but reads the root's parameters (the token embedding) as they are.
+        wrapper._get_fsdp_state()._lazy_init()  # type: ignore[operator]  # as its forward would: root first
+        units = (wrapper, *self.nested_units(wrapper, ()))
+        for unit in units:
+            unit.unshard()  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()  # type: ignore[operator]
 
 
 def _replicates(module: nn.Module) -> bool:

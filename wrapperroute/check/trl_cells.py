@@ -13,7 +13,6 @@ import os
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,14 +40,6 @@ TRAINERS = {
 # A tiny chat template (GKD's collator applies one); the words only need to be in the vocabulary.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w0{% endif %}"
 VARIANTS = ("unpatched", "patched", "naive")
-
-
-def trainer_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone().float()
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
 
 
 def tiny_llama(vocab: int, hidden: int) -> Any:
@@ -84,21 +75,6 @@ def tokenizer() -> Any:
     return made
 
 
-class GradProbe:
-    """Trainer callback: records every gradient after the backward, before the optimizer touches it."""
-
-    def __init__(self) -> None:
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def __getattr__(self, event: str) -> Callable[..., None]:
-        if not event.startswith("on_"):
-            raise AttributeError(event)
-        return lambda *args, **kwargs: None
-
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **_: Any) -> None:
-        self.grads = trainer_grads(model)
-
-
 def training_args(cls: Any, out: str, **extra: Any) -> Any:
     return cls(
         output_dir=out,
@@ -106,6 +82,9 @@ def training_args(cls: Any, out: str, **extra: Any) -> Any:
         per_device_train_batch_size=2,
         learning_rate=1e-3,
         max_grad_norm=0.0,  # clipping would rescale; the comparison wants the raw synced gradient
+        # fp32 throughout (TRL's configs default to bf16 where the machine has it): gradients compared at 1e-6
+        bf16=False,
+        fp16=False,
         use_cpu=True,
         ddp_backend="gloo",
         report_to=[],
@@ -194,20 +173,23 @@ def _fill_model_folder(folder: str) -> None:
     dist.barrier()
 
 
-def trl_step(trainer_name: str, variant: str, folder: str) -> dict[str, Any]:
-    """One TRL training step with ``use_liger_kernel=True`` on this rank, under DDP.
+def trl_step(trainer_name: str, variant: str, folder: str, layout: str = "ddp") -> dict[str, Any]:
+    """One TRL training step with ``use_liger_kernel=True`` on this rank, the model under ``layout`` (see
+    ``trl_layouts``; ``"local"``: unwrapped, the reference).
 
     ``variant``: ``"unpatched"`` (TRL as installed), ``"patched"`` (``patch_trl()``), or ``"naive"``
     (``patch_trl(mode="redirect")``: the loss routed through DDP's forward *with* its graph optimizer, i.e. the
     obvious one-line fix). The patch is undone afterwards and Dynamo's caches are dropped first, so every
     variant compiles the Liger loss in its own setting, whatever ran before in this worker.
 
-    Returns this rank's gradients (compared across ranks by the caller) or its error.
+    Returns this rank's whole gradients (compared across ranks by the caller) or its error.
     """
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
     from ..integrations.trl import liger_paths, patch_trl, unpatch_trl
+    from .trl_layouts import GradProbe, layout_args
+    from .trl_layouts import layout as under
 
     torch._dynamo.reset()
     forget_isolated()
@@ -216,7 +198,8 @@ def trl_step(trainer_name: str, variant: str, folder: str) -> dict[str, Any]:
     if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
         torch._C._autograd._saved_tensors_hooks_enable()
     start = time.perf_counter()
-    result: dict[str, Any] = {"trainer": trainer_name, "variant": variant, "error": None, "differ": None}
+    result: dict[str, Any] = {"trainer": trainer_name, "variant": variant, "layout": layout, "error": None,
+                              "differ": None}  # fmt: skip
     # A DDP forward marker left set by an earlier task (overlapping DDP forwards in threads) would make Dynamo
     # compile even the unpatched loss with DDP's graph optimizer: report it, and compile without it.
     result["stale_ddp_marker"] = DDP._active_ddp_module is not None
@@ -233,12 +216,12 @@ def trl_step(trainer_name: str, variant: str, folder: str) -> dict[str, Any]:
         module = importlib.import_module(module_name)
         config_cls, trainer_cls = getattr(module, config_name), getattr(module, trainer_class)
         _fill_model_folder(folder)
-        rows, config, extra = _setup(trainer_name, folder)
-        with tempfile.TemporaryDirectory() as out:
+        with tempfile.TemporaryDirectory() as out, under(layout, probe):
+            rows, config, extra = _setup(trainer_name, folder)
             common = {"use_liger_kernel": True, "liger_kernel_config": NO_TRITON, "remove_unused_columns": False}
             trainer: Any = trainer_cls(
                 model=AutoModelForCausalLM.from_pretrained(folder),
-                args=training_args(config_cls, out, **common, **config),
+                args=training_args(config_cls, out, **common, **config, **layout_args(layout)),
                 train_dataset=Dataset.from_list(rows),
                 processing_class=tokenizer(),
                 callbacks=[probe],
@@ -258,12 +241,14 @@ def trl_step(trainer_name: str, variant: str, folder: str) -> dict[str, Any]:
     return result
 
 
-def compare_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
+def compare_ranks(results: list[dict[str, Any]], reference: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Rank 0's row with every rank's error and, when every rank trained, the gradients compared across ranks
-    (``params``, ``differ``, ``max_diff``; ``nonzero``: parameters with a non-zero gradient on rank 0)."""
+    (``params``, ``differ``, ``max_diff``; ``nonzero``: parameters with a non-zero gradient on rank 0) and, given
+    the ranks' results of the ``local`` layout, with the mean of their gradients (``ref_diff``: what every
+    data-parallel wrapper must produce; None when the reference run failed)."""
     errors = {rank: r["error"] for rank, r in enumerate(results) if r["error"]}
     row = {key: value for key, value in results[0].items() if key != "grads"}
-    row.update(errors=errors, error=results[0]["error"] or next(iter(errors.values()), None))
+    row.update(errors=errors, error=results[0]["error"] or next(iter(errors.values()), None), ref_diff=None)
     if not errors:
         grads = [r["grads"] for r in results]
         if not grads[0] or any(g.keys() != grads[0].keys() for g in grads):
@@ -272,4 +257,15 @@ def compare_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
         diffs = [max(float((g[name] - grads[0][name]).abs().max()) for g in grads[1:]) for name in grads[0]]
         nonzero = sum(bool(grad.any()) for grad in grads[0].values())  # a step with no gradient proves nothing
         row.update(params=len(diffs), differ=sum(d > 0 for d in diffs), max_diff=max(diffs), nonzero=nonzero)
+        mean = reference_grads(reference) if reference is not None else None
+        if mean is not None and mean.keys() == grads[0].keys():
+            row["ref_diff"] = max(float((grads[0][name] - mean[name]).abs().max()) for name in mean)
     return row
+
+
+def reference_grads(local: list[dict[str, Any]]) -> dict[str, torch.Tensor] | None:
+    """The mean over ranks of the gradients each rank computed alone (the ``local`` layout), or None."""
+    if any(r["error"] or not r["grads"] for r in local):
+        return None
+    names = local[0]["grads"].keys()
+    return {name: torch.stack([r["grads"][name] for r in local]).mean(0) for name in names}

@@ -1,28 +1,33 @@
-"""TRL integration: a drop-in ``_ForwardRedirection`` and ``patch_trl()`` for the DPO/KTO Liger paths.
+"""TRL integration: a drop-in ``_ForwardRedirection`` and ``patch_trl()`` for TRL's trainers with a fused Liger
+loss (DPO, KTO, GRPO, GKD, the distillation trainers...).
 
-``DPOTrainer``/``KTOTrainer`` with ``use_liger_kernel=True`` call ``_compute_loss_liger``, which reads the
-model's weights directly. TRL releases differ in what they pass it, and so in how they fail (TRL issue #7245
-and the TRL pull request that followed):
+With ``use_liger_kernel=True`` these trainers compute their loss from the model's weights directly (the output
+head's weight, a backbone called as a submodule). TRL releases differ in where that happens, and so in how
+they fail (TRL issue #7245 and the TRL pull request that followed):
 
-- the *unwrapped* model, outside the wrapper's forward (routed only under ZeRO-3 or FSDP): under DDP the
-  reducer is never armed and every rank keeps its own gradients (a silent desync);
-- the *wrapper itself*, where the Liger code reads ``model.base_model``: ``AttributeError`` under DDP;
-- later releases route the loss through the wrapper themselves, or no longer have the method.
+- outside the wrapper's forward: under DDP the reducer is never armed and every rank keeps its own gradients (a
+  silent desync); under ZeRO-3 a head read outside any gather has 0 elements (GKD);
+- with the wrapper itself where the Liger code reads ``model.base_model``: ``AttributeError`` under DDP;
+- the reference model's backbone called without its FSDP2 root's forward: ``mixed torch.Tensor and DTensor``
+  (DPO and KTO under FSDP2);
+- later releases route the loss through the wrapper themselves.
 
-The obvious fix (route through TRL's ``_forward_redirection``) crashes: the Liger loss is a compiled
-``torch.func`` loss and, with the reference head unfrozen, DDP's graph optimizer splits it inside the
-transform ("Cannot access storage of TensorWrapper"). :func:`patch_trl` therefore wraps ``_compute_loss_liger``
-wherever the installed trainer defines it, and decides on every call from what that call receives: the
-wrapper itself (unwrapped with ``accelerator.unwrap_model`` and routed through it), the unwrapped model while
-``compute_loss`` got a wrapper (routed through that wrapper), or a call already inside the wrapper's forward
-(called as it is). No version number decides anything.
+:func:`patch_trl` finds the trainers by reading the installed package (the modules that use a chunked Liger
+loss) and decides on every call from what the call receives: a trainer that holds a fused Liger loss and got a
+distributed wrapper runs its whole ``compute_loss`` inside that wrapper's forward, and inside the forward of
+each other distributed model it holds (reference, teacher), with their output heads whole; a
+``_compute_loss_liger`` given the wrapper gets the model it expects. No version number decides anything.
+
+The obvious fix (route through TRL's ``_forward_redirection``) crashes: the Liger losses are compiled
+``torch.func`` losses, and DDP's graph optimizer splits them inside the transform ("Cannot access storage of
+TensorWrapper"); the patch runs them isolated from that optimizer.
 
 This module imports TRL only when :func:`patch_trl` runs; :class:`ForwardRedirection` never imports it.
 """
 
 from __future__ import annotations
 
-import contextvars
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -40,15 +45,11 @@ from ..route import Mode, route_loss
 log = logging.getLogger("wrapperroute")
 
 _MISSING = object()
-# Where TRL releases keep the trainers with a Liger loss method (KTO was experimental before it moved): looked
-# up in the installed package, each only if it is there.
-_LIGER_TRAINERS = (
-    ("trl.trainer.dpo_trainer", "DPOTrainer"),
-    ("trl.trainer.kto_trainer", "KTOTrainer"),
-    ("trl.experimental.kto.kto_trainer", "KTOTrainer"),
-)
-# (trainer class name, path) -> calls seen: what the patched method did (see _routed_liger).
+# What a patched method found on each call: (trainer class name, path) -> calls.
 liger_paths: dict[tuple[str, str], int] = {}
+# Frozen models a trainer may hold whose weights its loss reads directly, outside their forward.
+_COMPANIONS = ("ref_model", "teacher_model")
+_FUSED_LOSS_MODULE = "liger_kernel.chunked_loss"
 
 
 class ForwardRedirection:
@@ -140,10 +141,9 @@ class TrlPatch:
         return bool(self.patched)
 
 
+
 # label -> (owner, attribute, original value): what to put back.
 _applied: dict[str, tuple[Any, str, Any]] = {}
-# The model ``compute_loss`` received (the wrapper), for the ``_compute_loss_liger`` call it makes.
-_outer_model: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVar("wrapperroute_trl_outer", default=None)
 
 
 def _set(label: str, owner: Any, attribute: str, value: Any) -> None:
@@ -152,46 +152,62 @@ def _set(label: str, owner: Any, attribute: str, value: Any) -> None:
     setattr(owner, attribute, value)
 
 
-def _routed_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
+def _seen(owner: str, path: str) -> None:
+    key = (owner, path)
+    liger_paths[key] = liger_paths.get(key, 0) + 1
+
+
+def _holds_fused_loss(trainer: Any) -> bool:
+    """Whether ``trainer`` holds a chunked Liger loss (it reads weights directly), read off the instance."""
+    return any(type(value).__module__.startswith(_FUSED_LOSS_MODULE) for value in vars(trainer).values())
+
+
+def _routed_compute_loss(original: Callable[..., Any], mode: Mode) -> Callable[..., Any]:
+    owner = original.__qualname__.split(".")[0]
+
     @functools.wraps(original)
     def compute_loss(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        token = _outer_model.set(model)
-        try:
+        if not detect(model).distributed:
+            _seen(owner, "no wrapper: called as it is")
             return original(self, model, *args, **kwargs)
-        finally:
-            _outer_model.reset(token)
+        if not _holds_fused_loss(self):
+            _seen(owner, "no fused Liger loss: called as it is")
+            return original(self, model, *args, **kwargs)
+        redirection = getattr(self, "_forward_redirection", None)
+        if redirection is not None and not isinstance(redirection, ForwardRedirection):
+            # built before patch_trl: TRL's class would call the wrapper again from inside its forward
+            self._forward_redirection = ForwardRedirection()
+        held = [type(model).__name__]
+        with contextlib.ExitStack() as stack:
+            for attribute in _COMPANIONS:
+                companion = getattr(self, attribute, None)
+                found = detect(companion) if isinstance(companion, nn.Module) else None
+                if found is not None and found.adapter is not None and found.wrapper is not None:
+                    stack.enter_context(found.adapter.read_whole(found.wrapper))
+                    held.append(attribute)
+            _seen(owner, f"routed whole inside {held[0]}" + "".join(f", {name} held whole" for name in held[1:]))
+            inner = self.accelerator.unwrap_model(model)
+            call = functools.partial(original, self, model, *args, **kwargs)
+            return route_loss(model, inner, call, mode=mode)
 
     compute_loss.__wrapperroute_original__ = original  # type: ignore[attr-defined]
     return compute_loss
 
 
-def _routed_liger(original: Callable[..., Any], mode: Mode) -> Callable[..., Any]:
+def _unwrapping_liger(original: Callable[..., Any]) -> Callable[..., Any]:
     owner = original.__qualname__.split(".")[0]
 
     @functools.wraps(original)
     def _compute_loss_liger(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if detect(model).distributed:
-            # This TRL passes the wrapper where its Liger code reads the model (``model.base_model``): give
-            # it the model it expects, inside that wrapper's forward.
-            inner = self.accelerator.unwrap_model(model)
-            _seen(owner, "wrapper passed: unwrapped and routed")
-            return route_loss(model, inner, functools.partial(original, self, inner, *args, **kwargs), mode=mode)
-        outer = _outer_model.get()
-        if outer is None or outer is model or not detect(outer).distributed:
-            _seen(owner, "no wrapper: called as it is")
-            return original(self, model, *args, **kwargs)
-        # The unwrapped model while compute_loss got a wrapper: routed through it. Already inside its forward
-        # (the trainer's own ZeRO-3/FSDP redirection), route_loss calls the loss as it is.
-        _seen(owner, "unwrapped model passed: routed")
-        return route_loss(outer, model, functools.partial(original, self, model, *args, **kwargs), mode=mode)
+        inner = self.accelerator.unwrap_model(model)
+        if inner is not model:
+            # This TRL passes the wrapper where its Liger code reads the model (``model.base_model``): give it the
+            # model it expects (compute_loss runs it inside that wrapper's forward already).
+            _seen(owner, "wrapper passed: unwrapped")
+        return original(self, inner, *args, **kwargs)
 
     _compute_loss_liger.__wrapperroute_original__ = original  # type: ignore[attr-defined]
     return _compute_loss_liger
-
-
-def _seen(owner: str, path: str) -> None:
-    key = (owner, path)
-    liger_paths[key] = liger_paths.get(key, 0) + 1
 
 
 def _trl_redirection_modules(cls: Any) -> list[Any]:
@@ -204,18 +220,53 @@ def _trl_redirection_modules(cls: Any) -> list[Any]:
     ]  # fmt: skip
 
 
-def patch_trl(mode: Mode = "isolate", forward_redirection: bool = True) -> TrlPatch:
-    """Make the installed TRL's trainers route their fused losses through wrapperroute. Idempotent.
+def fused_loss_trainers(notes: list[str] | None = None) -> list[type]:
+    """The installed TRL's trainer classes defined in a module that uses a chunked Liger loss: found by reading
+    the package's source (no list of names or versions), then importing only those modules. A module that fails
+    to import is named in ``notes``."""
+    import pathlib
 
-    - DPO and KTO with ``use_liger_kernel=True``: wherever the installed trainer class defines
-      ``_compute_loss_liger``, it is wrapped (with ``compute_loss``, which records the model it received) and
-      routed per call as the module docstring says; a class without that method is left alone and named in the
-      note. ``mode`` defaults to ``"isolate"``: both losses are compiled ``torch.func`` losses that DDP's
-      graph optimizer can fail to split, so they skip it from the first call instead of failing once (a
-      wasted compile) and falling back.
+    from transformers import Trainer
+
+    spec = importlib.util.find_spec("trl")
+    if spec is None or spec.origin is None:
+        return []
+    root = pathlib.Path(spec.origin).parent
+    found: list[type] = []
+    for path in sorted(root.rglob("*.py")):
+        if _FUSED_LOSS_MODULE not in path.read_text(encoding="utf-8", errors="ignore"):
+            continue
+        name = ".".join(("trl", *path.relative_to(root).with_suffix("").parts))
+        try:
+            module = importlib.import_module(name)
+        except Exception as error:  # an optional dependency of an experimental trainer, say
+            if notes is not None:
+                notes.append(f"{name} not imported ({type(error).__name__}: {error}): its trainers left alone")
+            continue
+        found += [
+            value for value in vars(module).values()
+            if isinstance(value, type) and issubclass(value, Trainer) and value.__module__ == name
+        ]  # fmt: skip
+    return found
+
+
+def patch_trl(mode: Mode = "isolate", forward_redirection: bool = True) -> TrlPatch:
+    """Make the installed TRL's trainers with a fused Liger loss exact under every wrapper. Idempotent.
+
+    - Every trainer class defined in a module of the installed TRL that uses a chunked Liger loss (see
+      :func:`fused_loss_trainers`): ``compute_loss`` is wrapped on the class that defines it and, on each call
+      where the trainer holds such a loss and received a distributed wrapper, runs whole inside that wrapper's
+      forward (and each distributed reference or teacher model's), with their output heads whole (FSDP2 root,
+      ZeRO-3 partition); ``_compute_loss_liger``, where a class defines it, is given the unwrapped model when a
+      release passes it the wrapper. ``mode`` defaults to ``"isolate"``: the losses are compiled ``torch.func``
+      losses that DDP's graph optimizer can fail to split, so they skip it from the first call instead of
+      failing once (a wasted compile) and falling back.
     - ``forward_redirection``: ``trl.models.utils._ForwardRedirection`` and every loaded TRL module's
-      ``_ForwardRedirection`` become :class:`ForwardRedirection` (GRPO, distillation...), so trainers built
-      from now on restore the forward on exceptions and get the functorch fallback.
+      ``_ForwardRedirection`` become :class:`ForwardRedirection`, so trainers built from now on restore the
+      forward on exceptions; a trainer built before, whose loss is routed whole, gets ours at its next step.
+
+    Under mixed precision the loss then runs inside the autocast that accelerate wraps the model's forward in,
+    as a normal forward of the model does (the Liger paths of TRL, which call the backbone directly, skip it).
 
     Returns what is patched now, with a note on what was left alone and why. Raises ``ImportError`` when TRL is
     not installed.
@@ -224,33 +275,20 @@ def patch_trl(mode: Mode = "isolate", forward_redirection: bool = True) -> TrlPa
 
     version = str(getattr(trl, "__version__", "unknown"))
     notes: list[str] = []
-    found = 0
-    for module_name, class_name in _LIGER_TRAINERS:
-        if not _importable(module_name):
-            continue
-        cls = getattr(importlib.import_module(module_name), class_name, None)
-        if cls is None:
-            continue
-        found += 1
+    trainers = fused_loss_trainers(notes)
+    for cls in trainers:
         # Patched on the class that defines each method: a re-exported or subclassed trainer (KTO moved out of
-        # trl.experimental) then shares one patch with the class it inherits from.
-        liger_owner = _defining(cls, "_compute_loss_liger")
-        if liger_owner is None:
-            notes.append(
-                f"{module_name}.{class_name} has no _compute_loss_liger (its Liger path, if any, is TRL's own): "
-                "left alone"
-            )
-            continue
-        loss_owner = _defining(cls, "compute_loss")
-        for owner, attribute in ((liger_owner, "_compute_loss_liger"), (loss_owner, "compute_loss")):
+        # trl.experimental, MiniLLM extends GRPO) shares one patch with the class it inherits from.
+        for attribute, wrap in (("compute_loss", functools.partial(_routed_compute_loss, mode=mode)),
+                                ("_compute_loss_liger", _unwrapping_liger)):  # fmt: skip
+            owner = _defining(cls, attribute)
+            if owner is None or owner.__module__.startswith("transformers"):
+                continue  # no such method, or the Trainer's own compute_loss (no fused loss of TRL's there)
             label = f"{owner.__module__}.{owner.__qualname__}.{attribute}"
-            if label in _applied:
-                continue
-            original = owner.__dict__[attribute]
-            liger = attribute == "_compute_loss_liger"
-            _set(label, owner, attribute, _routed_liger(original, mode) if liger else _routed_compute_loss(original))
-    if not found:
-        notes.append(f"TRL {version} has no DPOTrainer or KTOTrainer")
+            if label not in _applied:
+                _set(label, owner, attribute, wrap(owner.__dict__[attribute]))
+    if not trainers:
+        notes.append(f"TRL {version} has no trainer with a fused Liger loss")
     if forward_redirection:
         utils = importlib.import_module("trl.models.utils") if _importable("trl.models.utils") else None
         key = "trl.models.utils._ForwardRedirection"
@@ -298,4 +336,4 @@ def unpatch_trl() -> TrlPatch:
     return TrlPatch(getattr(trl, "__version__", None) if trl else None, (), "unpatched")
 
 
-__all__ = ["ForwardRedirection", "TrlPatch", "patch_trl", "unpatch_trl"]
+__all__ = ["ForwardRedirection", "TrlPatch", "fused_loss_trainers", "patch_trl", "unpatch_trl"]
