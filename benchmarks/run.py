@@ -28,7 +28,7 @@ import bench_ranks  # noqa: E402
 import torch  # noqa: E402
 
 from wrapperroute import route_loss  # noqa: E402
-from wrapperroute.cli import _cache_env  # noqa: E402
+from wrapperroute.check.console import cache_env  # noqa: E402
 from wrapperroute.ranks import RankPool  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON (default: results/)")
     args = parser.parse_args()
     # The CLI's caches (inductor, DeepSpeed's C++ build): shared with `wrapperroute check`, inherited by the ranks.
-    os.environ.update(_cache_env())
+    os.environ.update(cache_env())
     reps = 5 if args.quick else 31
     has_liger = importlib.util.find_spec("liger_kernel") is not None
     results: dict[str, Any] = {

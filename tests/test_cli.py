@@ -102,12 +102,16 @@ def test_four_rank_layouts_said_when_left_out() -> None:
     assert done.returncode == 2 and "needs at least 4 ranks (--nproc 4)" in done.stderr, done.stderr
 
 
-def test_trl_verdict_needs_a_gradient() -> None:
-    """A TRL step that produced no gradient is in sync trivially: never called exact (it fails check --trl)."""
-    from wrapperroute.cli import _trl_verdict
+def test_trl_verdict_needs_a_gradient_and_the_reference() -> None:
+    """A TRL step that produced no gradient is in sync trivially, and ranks can agree on a wrong gradient: a
+    patched cell is exact only with non-zero gradients equal across ranks and within 1e-6 of the reference."""
+    from wrapperroute.check.trl_report import trl_verdict
 
-    row = {"variant": "patched", "error": None, "differ": 0, "max_diff": 0.0, "nonzero": 12}
-    assert _trl_verdict(row) == "exact"
-    assert _trl_verdict({**row, "nonzero": 0}) == "no gradient"
-    assert _trl_verdict({**row, "variant": "unpatched", "differ": 3, "max_diff": 0.1}) == "desync"
-    assert _trl_verdict({**row, "error": "Traceback ..."}) == "FAIL"
+    row = {"variant": "patched", "error": None, "differ": 0, "max_diff": 0.0, "nonzero": 12, "ref_diff": 3e-8}
+    assert trl_verdict(row) == "exact"
+    assert trl_verdict({**row, "nonzero": 0}) == "no gradient"
+    assert trl_verdict({**row, "ref_diff": 2e-3}) == "FAIL"
+    assert trl_verdict({**row, "ref_diff": None}) == "no reference"
+    assert trl_verdict({**row, "variant": "unpatched", "ref_diff": 2e-3}) == "wrong"
+    assert trl_verdict({**row, "variant": "unpatched", "differ": 3, "max_diff": 0.1}) == "desync"
+    assert trl_verdict({**row, "error": "Traceback ..."}) == "FAIL"

@@ -133,138 +133,161 @@ def test_redirection_under_ddp_matches_trl(pool: RankPool) -> None:
 # --- patch_trl ---------------------------------------------------------------------------------------------
 
 
+def _fused_loss_modules() -> set[str]:
+    """The installed TRL's modules whose source uses a chunked Liger loss, read here independently of the code
+    under test (a plain text search of the package)."""
+    root = pathlib.Path(importlib.util.find_spec("trl").origin).parent  # type: ignore[union-attr,arg-type]
+    return {
+        ".".join(("trl", *path.relative_to(root).with_suffix("").parts))
+        for path in root.rglob("*.py")
+        if "liger_kernel.chunked_loss" in path.read_text(encoding="utf-8", errors="ignore")
+    }
+
+
 @needs_trl
 def test_patch_trl_is_idempotent_and_reversible(monkeypatch: pytest.MonkeyPatch) -> None:
-    from trl.trainer.dpo_trainer import DPOTrainer
-    from trl.trainer.kto_trainer import KTOTrainer
+    import trl.models.utils as utils
 
-    from wrapperroute.integrations.trl import patch_trl, unpatch_trl
+    from wrapperroute.integrations import trl as integration
+    from wrapperroute.integrations.trl import fused_loss_trainers, patch_trl, unpatch_trl
 
-    # TRL 1.14 has no KTOTrainer._compute_loss_liger: None stands for "absent", before and after alike.
-    originals = (DPOTrainer.compute_loss, getattr(KTOTrainer, "_compute_loss_liger", None))
+    trainers = fused_loss_trainers()
+    assert {cls.__module__ for cls in trainers} <= _fused_loss_modules()
+    assert {cls.__module__ for cls in trainers} >= {m for m in _fused_loss_modules() if m.endswith("_trainer")}
+    owners = {next(c for c in cls.__mro__ if "compute_loss" in vars(c)) for cls in trainers}
+    originals = {owner: owner.__dict__["compute_loss"] for owner in owners}
     try:
         first = patch_trl()
         second = patch_trl()
         assert first.patched == second.patched
-        import trl.models.utils as utils
-
         assert utils._ForwardRedirection is ForwardRedirection
         import trl.trainer.grpo_trainer as grpo  # imported after the patch: takes ours from trl.models.utils
 
         # a GRPO trainer that imports TRL's redirection (not every release does) takes ours
         assert getattr(grpo, "_ForwardRedirection", ForwardRedirection) is ForwardRedirection
-        if _defines_liger_loss("dpo"):
-            assert "trl.trainer.dpo_trainer.DPOTrainer.compute_loss" in first.patched
-            assert DPOTrainer.compute_loss is not originals[0]
-        else:  # only the redirection is replaced; the note says why
-            assert not any("DPOTrainer" in label for label in first.patched), first.patched
-            assert "DPOTrainer has no _compute_loss_liger" in first.note and DPOTrainer.compute_loss is originals[0]
-        if _defines_liger_loss("kto"):  # patched on the class that defines it (trl.experimental's, before 1.8)
-            owner = next(c for c in KTOTrainer.__mro__ if "_compute_loss_liger" in vars(c))
-            assert f"{owner.__module__}.{owner.__qualname__}._compute_loss_liger" in first.patched, first.patched
+        for owner in owners:
+            if owner.__module__.startswith("transformers"):
+                continue  # the Trainer's own compute_loss is never touched
+            assert f"{owner.__module__}.{owner.__qualname__}.compute_loss" in first.patched, first.patched
+            assert owner.__dict__["compute_loss"] is not originals[owner]
     finally:
         unpatch_trl()
-    assert (DPOTrainer.compute_loss, getattr(KTOTrainer, "_compute_loss_liger", None)) == originals
+    assert all(owner.__dict__["compute_loss"] is original for owner, original in originals.items())
     assert utils._ForwardRedirection is not ForwardRedirection
     assert getattr(grpo, "_ForwardRedirection", utils._ForwardRedirection) is utils._ForwardRedirection  # back too
 
-    from wrapperroute.integrations.trl import _LIGER_TRAINERS
-
-    for module_name, class_name in _LIGER_TRAINERS:  # a TRL whose trainers have no Liger loss method
-        cls = getattr(sys.modules.get(module_name), class_name, None)
-        for owner in cls.__mro__ if cls is not None else ():
-            if "_compute_loss_liger" in vars(owner):
-                monkeypatch.delattr(owner, "_compute_loss_liger")
+    monkeypatch.setattr(integration, "fused_loss_trainers", lambda notes=None: [])  # a TRL with none
     try:
         result = patch_trl(forward_redirection=False)
         assert result.patched == () and not result, result
-        assert "DPOTrainer has no _compute_loss_liger" in result.note, result.note
-        assert "KTOTrainer has no _compute_loss_liger" in result.note, result.note
+        assert "has no trainer with a fused Liger loss" in result.note, result.note
     finally:
         unpatch_trl()
 
 
 # --- real TRL trainers, 2 gloo ranks -------------------------------------------------------------------------
 
+needs_liger = pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed")
+# (trainer, wrapper) cells run here; `wrapperroute check --trl` runs every trainer under every wrapper.
+CELLS = [("dpo", "ddp"), ("dpo", "zero3"), ("dpo", "fsdp2"), ("kto", "ddp"), ("grpo", "ddp"), ("gkd", "zero3"),
+         ("distill", "ddp")]  # fmt: skip
 
-def _trl_step(pool: RankPool, trainer: str, variant: str, folder: pathlib.Path) -> dict[str, Any]:
-    """One TRL step on every rank; the upstream measurement (every gradient compared across ranks) done here,
-    from the gradients each rank returns. Rank 0's row, with every rank's error."""
-    results = pool.run(trl_step, trainer, variant, str(folder), timeout=240)
-    assert not any(r["stale_ddp_marker"] for r in results), "an earlier task left DDP's forward marker set"
-    row = compare_ranks(results)
+
+def _trl_step(pool: RankPool, trainer: str, variant: str, folder: pathlib.Path, layout: str = "ddp",
+              reference: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One TRL step on every rank; every gradient compared across ranks here, from the gradients each rank
+    returns, and with the reference's mean when given. Rank 0's row, with every rank's error."""
+    results = pool.run(trl_step, trainer, variant, str(folder), layout, timeout=240)
+    assert not any(r.get("stale_ddp_marker") for r in results), "an earlier task left DDP's forward marker set"
+    row = compare_ranks(results, reference)
     if row["errors"] and len(row["errors"]) < len(results):
         pool.close()  # one rank failed, the other timed out in a collective: never reuse that group
     return row
+
+
+@pytest.fixture(scope="module")
+def references(pool: RankPool, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Any]:
+    """Each trainer's reference (the ``local`` layout: the model unwrapped, each rank alone on its shard), run
+    once per module; and the model folder every step shares."""
+    folder = tmp_path_factory.mktemp("trl_model")
+    made: dict[str, Any] = {}
+
+    def get(trainer: str) -> Any:
+        if trainer not in made:
+            local = pool.run(trl_step, trainer, "unpatched", str(folder), "local", timeout=240)
+            assert not any(r["error"] for r in local), local[0]["error"]
+            made[trainer] = local
+        return made[trainer], folder
+
+    return get
 
 
 def _row(result: dict[str, Any]) -> str:
     if result["error"]:
         lines = result["error"].strip().splitlines()
         cause = next((line for line in lines if "TensorWrapper" in line), lines[-1])
-        return f"{result['trainer']:>3} {result['variant']:<9} crashed: {cause.strip()}"
+        where = f"{result['trainer']:>7} {result.get('layout', 'ddp'):<6} {result['variant']:<9}"
+        return f"{where} crashed: {cause.strip()}"
     return (
-        f"{result['trainer']:>3} {result['variant']:<9} {result['differ']}/{result['params']} params differ, "
-        f"max abs diff {result['max_diff']:.2e} ({result['seconds']}s)"
+        f"{result['trainer']:>7} {result.get('layout', 'ddp'):<6} {result['variant']:<9} "
+        f"{result['differ']}/{result['params']} params differ, max abs diff {result['max_diff']:.2e}, "
+        f"vs reference {result['ref_diff']} ({result['seconds']}s)"
     )
 
 
+def _installed(trainer: str) -> None:
+    from wrapperroute.check.trl_cells import TRAINERS
+
+    module_name, _, class_name = TRAINERS[trainer]  # found by name where this TRL has it
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        module = None
+    if getattr(module, class_name, None) is None:
+        pytest.skip(f"the installed TRL has no {class_name}")
+
+
 @needs_trl
-@pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed")
-@pytest.mark.parametrize("trainer", ["dpo", "kto"])
-def test_patch_trl_fixes_liger_desync(pool: RankPool, trainer: str, tmp_path: pathlib.Path) -> None:
-    before = _trl_step(pool, trainer, "unpatched", tmp_path)
-    after = _trl_step(pool, trainer, "patched", tmp_path)
+@needs_liger
+@pytest.mark.parametrize(("trainer", "layout"), CELLS, ids=[f"{t}-{w}" for t, w in CELLS])
+def test_patched_trainer_exact(pool: RankPool, references: Callable[[str], Any], trainer: str, layout: str) -> None:
+    """A real TRL trainer's step under DDP, ZeRO-3 or FSDP2 (accelerate told FSDP on CPU), as installed and
+    patched. Patched: every gradient equal across ranks, non-zero, and within 1e-6 of the mean of the ranks'
+    gradients computed alone (the reference). As installed, measured beside it: a desync, a crash or a wrong
+    gradient, or in sync only where the trainer routes its loss through a redirection of its own."""
+    _installed(trainer)
+    if layout == "zero3" and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    reference, folder = references(trainer)
+    before = _trl_step(pool, trainer, "unpatched", folder, layout, reference)
+    after = _trl_step(pool, trainer, "patched", folder, layout, reference)
     print(f"\n{_row(before)}\n{_row(after)}")
     assert not after["errors"], after["errors"]
-    assert after["wrapper"] == "DistributedDataParallel"
-    assert after["differ"] == 0 and after["max_diff"] == 0.0 and after["params"] > 0
-    if _defines_liger_loss(trainer):  # the bug as installed, measured: a desync, or the wrapper-passed crash
+    assert after["differ"] == 0 and after["max_diff"] == 0.0 and after["nonzero"] > 0, after
+    assert after["ref_diff"] is not None and after["ref_diff"] <= 1e-6, after
+    assert any(path.startswith(_class_name(trainer)) for path in after["liger_paths"]), after  # the patch saw it
+    if layout == "ddp" and trainer in ("dpo", "kto") and _defines_liger_loss(trainer):
+        # the upstream bug as installed: a desync, or the wrapper-passed crash
         assert before["errors"] or before["differ"] == before["params"] > 0, before
-        assert any("routed" in path for path in after["liger_paths"]), after["liger_paths"]
-    else:  # TRL's own fix: exact unpatched, and patch_trl (its redirection replaced by ours) keeps it exact
-        assert not before["errors"] and before["differ"] == 0 and before["max_diff"] == 0.0, before
-        assert not any("Trainer" in label for label in after["patch"]), after["patch"]
-        if after["redirection"] is not None:  # a trainer that still redirects (1.14) runs ours
-            assert after["redirection"] == "wrapperroute.integrations.trl", after["redirection"]
+    bug = before["errors"] or before["differ"] or (before["ref_diff"] or 0.0) > 1e-6
+    assert bug or before["redirection"] is not None, before  # in sync only through a redirection of its own
+
+
+def _class_name(trainer: str) -> str:
+    from wrapperroute.check.trl_cells import TRAINERS
+
+    return TRAINERS[trainer][2]
 
 
 @needs_trl
-@pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed")
+@needs_liger
 def test_naive_dpo_fix(pool: RankPool, tmp_path: pathlib.Path) -> None:
     """Why patch_trl isolates DPO's loss (where DPOTrainer defines _compute_loss_liger): routed through DDP's
     forward with its graph optimizer (what TRL's own redirection does), the compiled torch.func loss fails to
-    compile. TRL 1.14 runs no such loss: the same variant (``patch_trl(mode="redirect")``, which there leaves
-    DPO alone and only replaces TRL's redirection with ours) is exact."""
+    compile. TRL 1.14 runs no such loss: the same variant (``patch_trl(mode="redirect")``) is exact there."""
     naive = _trl_step(pool, "dpo", "naive", tmp_path)
     print(f"\n{_row(naive)}")
     if _defines_liger_loss("dpo"):
         assert len(naive["errors"]) == 2 and all("TensorWrapper" in error for error in naive["errors"].values())
     else:
         assert not naive["errors"] and naive["differ"] == 0 and naive["params"] > 0, naive
-
-
-@needs_trl
-@pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed")
-@pytest.mark.parametrize("trainer", ["grpo", "gkd", "distill"])
-def test_other_liger_trainers_under_ddp(pool: RankPool, trainer: str, tmp_path: pathlib.Path) -> None:
-    """GRPO (Liger GRPO loss), GKD and the distillation trainer (Liger JSD): one real step each, as installed
-    and patched. Where the installed trainer routes its Liger loss through a redirection of its own (measured on
-    TRL 1.12: all three), it is in sync as installed and stays exact with ours in its place; the step trained
-    (non-zero gradients), or the comparison would prove nothing."""
-    from wrapperroute.check.trl_cells import TRAINERS
-
-    module = importlib.import_module(TRAINERS[trainer][0])
-    if getattr(module, TRAINERS[trainer][2], None) is None:
-        pytest.skip(f"the installed TRL has no {TRAINERS[trainer][2]}")
-    before = _trl_step(pool, trainer, "unpatched", tmp_path)
-    after = _trl_step(pool, trainer, "patched", tmp_path)
-    print(f"\n{_row(before)}\n{_row(after)}")
-    assert not after["errors"], after["errors"]
-    assert after["wrapper"] == "DistributedDataParallel"
-    assert after["differ"] == 0 and after["max_diff"] == 0.0 and after["nonzero"] > 0, after
-    if before["redirection"] is not None:  # the trainer routes its Liger loss itself
-        assert not before["errors"] and before["differ"] == 0 and before["nonzero"] > 0, before
-        assert after["redirection"] == "wrapperroute.integrations.trl", after["redirection"]
-    else:  # no redirection of its own: the bug, measured
-        assert before["errors"] or before["differ"] == before["params"] > 0, before

@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import os
 import platform
 import sys
 import time
 from typing import Any
 
 from .check.cell import Cell, is_exact, run_cell
+from .check.console import UsageError, cut, last_error_line, rank_env
 from .check.losses import LOSSES
 from .check.wrappers import WRAPPERS, WrapperCase
 
@@ -29,10 +29,6 @@ DEFAULT_WRAPPERS = (
 )  # fmt: skip
 DEFAULT_LOSSES = ("fused_ce", "backbone_ce", "liger_dpo", "liger_kto")
 PACKAGES = ("torch", "liger-kernel", "deepspeed", "accelerate", "transformers", "trl", "peft")
-
-
-class UsageError(Exception):
-    pass
 
 
 def _why_not(case: Any, nproc: int) -> str | None:
@@ -74,19 +70,9 @@ def _verdict(routed: bool, cell: dict[str, Any]) -> str:
     return "in sync" if exact else "desync"
 
 
-def _last_error_line(text: str) -> str:
-    """The exception line of a traceback (Dynamo appends advice after it)."""
-    lines = [line.strip() for line in text.strip().splitlines()]
-    for line in reversed(lines):
-        head = line.split(":", 1)[0]
-        if head.endswith(("Error", "Exception", "Failed")) and " " not in head:
-            return line
-    return lines[-1]
-
-
 def _row(wrapper: str, loss: str, routed: bool, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     worst = max(ranks, key=lambda r: (r["error"] is not None, r["differ"], r["max_ref_diff"]))
-    error = _last_error_line(worst["error"]) if worst["error"] else None
+    error = last_error_line(worst["error"]) if worst["error"] else None
     return {
         "wrapper": wrapper,
         "loss": loss,
@@ -109,7 +95,7 @@ def _failed_row(wrapper: str, loss: str, routed: bool, error: Exception) -> dict
     return {
         "wrapper": wrapper, "loss": loss, "routed": routed, "params": 0, "differ": 0,
         "max_rank_diff": 0.0, "max_ref_diff": 0.0, "fell_back": False,
-        "error": _last_error_line(errors[min(errors)]), "verdict": "FAIL" if routed else "crashes",
+        "error": last_error_line(errors[min(errors)]), "verdict": "FAIL" if routed else "crashes",
         "seconds": 0.0,
     }  # fmt: skip
 
@@ -124,41 +110,19 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         ref_diff = "-" if row["error"] else f"{row['max_ref_diff']:.2g}"
         verdict = row["verdict"] + (" (fallback)" if row["fell_back"] else "")
         if row["error"]:
-            verdict += f": {_cut(row['error'], 60)}"
+            verdict += f": {cut(row['error'], 60)}"
         path = "routed" if row["routed"] else "unrouted"
         cells = f"{row['wrapper']:<14} {row['loss']:<11} {path:<9} {differing:>16} {rank_diff:>12} {ref_diff:>12}"
         lines.append(f"{cells}  {verdict}")
     return "\n".join(lines)
 
 
-# What the rank workers of a quiet run set (never the user's own process): the libraries' warnings, log lines
-# and progress bars would land in the middle of the progress lines.
-QUIET_ENV = {
-    "WRAPPERROUTE_QUIET": "1",
-    "TRANSFORMERS_VERBOSITY": "error",
-    "DATASETS_VERBOSITY": "error",
-    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-    "TQDM_DISABLE": "1",
-    "PYTHONWARNINGS": "ignore",
-}
-
-
-def _rank_env(verbose: bool) -> dict[str, str]:
-    return {**_cache_env(), **({} if verbose else QUIET_ENV)}
-
-
-def _cache_env() -> dict[str, str]:
-    base = os.path.join(os.path.expanduser("~"), ".cache", "wrapperroute")
-    return {
-        "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", os.path.join(base, "inductor")),
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(base, "torch_extensions")),
-    }
-
-
 def check(args: argparse.Namespace) -> int:
     if args.nproc < 2:
         raise UsageError(f"--nproc must be at least 2 to compare ranks, got {args.nproc}")
     if args.trl:
+        from .check.trl_report import check_trl
+
         return check_trl(args)
     wrappers = _names(args.wrappers, WRAPPERS, DEFAULT_WRAPPERS, "wrapper", args.nproc)
     losses = _names(args.losses, LOSSES, DEFAULT_LOSSES, "loss", args.nproc)
@@ -172,7 +136,7 @@ def check(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
     progress = sys.stderr
-    with RankPool(args.nproc, env=_rank_env(args.verbose)) as pool:
+    with RankPool(args.nproc, env=rank_env(args.verbose)) as pool:
         for index, (wrapper, loss, routed) in enumerate(cells, 1):
             path = "routed" if routed else "unrouted"
             print(f"[{index}/{len(cells)}] {wrapper} / {loss} / {path} ...", end="", file=progress, flush=True)
@@ -195,126 +159,6 @@ def check(args: argparse.Namespace) -> int:
         print(f"\n{len(rows)} cells on {args.nproc} CPU ranks in {elapsed:.0f}s: ", end="")
         print("every routed cell exact." if not failed else f"{len(failed)} routed cell(s) FAILED.")
     return 1 if failed else 0
-
-
-def _liger_trainers() -> tuple[str, list[str], list[str]]:
-    """The installed TRL's version, the trainers of ``TRAINERS`` whose config has ``use_liger_kernel``, and a
-    line for each left out."""
-    import dataclasses
-
-    import trl
-
-    from .check.trl_cells import TRAINERS
-
-    found, left = [], []
-    for name, (module_name, config_name, trainer_name) in TRAINERS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            module = None
-        config = getattr(module, config_name, None)
-        if config is None or getattr(module, trainer_name, None) is None:
-            left.append(f"wrapperroute: TRL {trl.__version__} has no {trainer_name}: not checked")
-        elif "use_liger_kernel" not in {field.name for field in dataclasses.fields(config)}:
-            left.append(f"wrapperroute: TRL {trl.__version__}'s {config_name} has no use_liger_kernel: no Liger path")
-        else:
-            found.append(name)
-    return str(trl.__version__), found, left
-
-
-def check_trl(args: argparse.Namespace) -> int:
-    """The installed TRL's Liger trainers, one step each on local CPU ranks under DDP, as installed and with
-    ``patch_trl()``: what a TRL fork's maintainer runs on the fork."""
-    import importlib.util
-
-    if importlib.util.find_spec("trl") is None:
-        raise UsageError("--trl checks the installed TRL, and TRL is not installed (pip install wrapperroute[trl])")
-    missing = [name for name in ("liger_kernel", "datasets") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise UsageError(f"--trl runs TRL's Liger losses and needs {', '.join(missing)} installed")
-    version, trainers, left = _liger_trainers()
-    for line in left:
-        print(line, file=sys.stderr)
-    if not trainers:
-        print(f"wrapperroute check --trl: TRL {version} has no trainer with a Liger path: nothing to check")
-        return 0
-    import tempfile
-
-    from .check.trl_cells import compare_ranks, trl_step
-    from .ranks import RankPool
-
-    rows: list[dict[str, Any]] = []
-    start = time.perf_counter()
-    with RankPool(args.nproc, env=_rank_env(args.verbose)) as pool, tempfile.TemporaryDirectory() as folder:
-        for trainer in trainers:
-            for variant in ("unpatched", "patched"):
-                print(f"TRL {version} {trainer} / {variant} ...", end="", file=sys.stderr, flush=True)
-                try:
-                    row = compare_ranks(pool.run(trl_step, trainer, variant, folder, timeout=args.timeout))
-                    if row["errors"] and len(row["errors"]) < args.nproc:
-                        pool.close()  # one rank failed, another timed out in a collective: start afresh
-                except Exception as error:  # a rank died or hung outside the step
-                    errors = getattr(error, "errors", None) or {0: str(error)}
-                    row = {"trainer": trainer, "variant": variant, "error": errors[min(errors)], "liger_paths": {}}
-                row["verdict"] = _trl_verdict(row)
-                rows.append(row)
-                print(f" {row['verdict']}", file=sys.stderr, flush=True)
-    failed = [r for r in rows if r["variant"] == "patched" and r["verdict"] != "exact"]
-    cells = [_trl_cell(version, row) for row in rows]
-    if args.json:
-        report = {"trl": version, "nproc": args.nproc, "seconds": round(time.perf_counter() - start, 1)}
-        print(json.dumps({**report, "ok": not failed, "cells": cells}))
-    else:
-        print(format_trl_table(cells))
-        print(f"\nTRL {version}, {len(cells)} cells on {args.nproc} CPU ranks: ", end="")
-        print("every patched cell exact." if not failed else f"{len(failed)} patched cell(s) FAILED.")
-    return 1 if failed else 0
-
-
-def _trl_verdict(row: dict[str, Any]) -> str:
-    if row.get("error"):
-        return "crashes" if row["variant"] == "unpatched" else "FAIL"
-    if row.get("nonzero") == 0:  # a step that produced no gradient cannot show a desync: never "exact"
-        return "no gradient"
-    exact = row["differ"] == 0 and row["max_diff"] == 0.0
-    if row["variant"] == "patched":
-        return "exact" if exact else "FAIL"
-    return "in sync" if exact else "desync"
-
-
-def _trl_cell(version: str, row: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "trl": version,
-        "trainer": row["trainer"],
-        "wrapper": row.get("wrapper", "DistributedDataParallel"),
-        "path": row["variant"],
-        "params": row.get("params"),
-        "differ": row.get("differ"),
-        "max_diff": row.get("max_diff"),
-        "verdict": row["verdict"],
-        "liger_paths": row.get("liger_paths", {}),
-        "error": _last_error_line(row["error"]) if row.get("error") else None,
-    }
-
-
-def format_trl_table(cells: list[dict[str, Any]]) -> str:
-    header = f"{'trainer':<8} {'wrapper':<8} {'path':<10} {'params differing':>16} {'max abs diff':>12}  verdict"
-    lines = [header, "-" * len(header)]
-    for cell in cells:
-        differing = "-" if cell["error"] else f"{cell['differ']} / {cell['params']}"
-        diff = "-" if cell["error"] else f"{cell['max_diff']:.2g}"
-        verdict = cell["verdict"] + (f": {_cut(cell['error'], 70)}" if cell["error"] else "")
-        wrapper = "DDP" if cell["wrapper"] == "DistributedDataParallel" else cell["wrapper"]
-        lines.append(f"{cell['trainer']:<8} {wrapper:<8} {cell['path']:<10} {differing:>16} {diff:>12}  {verdict}")
-        lines += [f"{'':<28}{path} ({count}x)" for path, count in cell["liger_paths"].items()]
-    return "\n".join(lines)
-
-
-def _cut(text: str, width: int) -> str:
-    """``text`` cut at a word boundary to at most ``width`` characters (``--json`` keeps all of it)."""
-    if len(text) <= width:
-        return text
-    return text[: width - 3].rsplit(" ", 1)[0] + " ..."
 
 
 def env(args: argparse.Namespace) -> int:
@@ -342,8 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     run.add_argument("--verbose", action="store_true", help="show the libraries' warnings and logs from the ranks")
     run.add_argument(
-        "--trl", action="store_true", help="run the installed TRL's Liger trainers (DPO, KTO), unpatched and patched"
+        "--trl", action="store_true",
+        help="run the installed TRL's trainers with a fused Liger loss (DPO, KTO, GRPO, GKD, distillation) under "
+        "DDP, ZeRO-3 and FSDP2 (--wrappers picks among ddp, zero3, fsdp2), as installed and patched",
     )
+    run.add_argument("--trainers", help="with --trl: comma-separated subset of dpo, kto, grpo, gkd, distill")
     run.set_defaults(handler=check)
     commands.add_parser("env", help="versions and what is available").set_defaults(handler=env)
     commands.add_parser(
