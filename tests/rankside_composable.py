@@ -1,4 +1,4 @@
-"""Rank-side bodies of tests/test_composable.py (module level: the pool pickles them by reference)."""
+"""Rank bodies for tests/test_composable.py (module level: the pool pickles them by reference)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from wrapperroute import UnroutedModelWarning, check_grad_sync, detect, guard, route_loss
-from wrapperroute.check.cell import _compare_across_ranks, _max_diff
+from wrapperroute.check.cell import differing_across_ranks, max_grad_diff
 from wrapperroute.check.losses import LOSSES, make_batch
 from wrapperroute.check.models import TinyConfig, build_model
 from wrapperroute.check.wrappers import WRAPPERS
@@ -92,11 +92,11 @@ def lightning_trainer_step(holder: str) -> dict[str, Any]:
     )
     trainer.fit(module, data)
     grads = module.grads
-    differ, _ = _compare_across_ranks(grads)
+    differ, _ = differing_across_ranks(grads)
     return {
         "differ": differ,
         "params": len(grads),
-        "max_ref_diff": _max_diff(grads, _reference_grads()),
+        "max_ref_diff": max_grad_diff(grads, _reference_grads()),
         "direct": seen["direct"],
         "warnings": seen["warnings"],
         "kind": seen["kind"],
@@ -124,6 +124,7 @@ def fabric_autocast(routed: bool) -> dict[str, Any]:
     seen: dict[str, Any] = {}
 
     def loss_fn() -> torch.Tensor:
+        # fused_cross_entropy's maths, written out: the body records the logits' dtype on the way
         hidden = inner(batch["input_ids"])
         logits = hidden @ inner.lm_head.weight.t()
         seen["autocast"] = torch.is_autocast_enabled("cpu")
@@ -132,7 +133,7 @@ def fabric_autocast(routed: bool) -> dict[str, Any]:
 
     loss = route_loss(wrapped.model, inner, loss_fn) if routed else loss_fn()
     wrapped.backward(loss)
-    differ, worst = _compare_across_ranks(wrapped.full_grads())
+    differ, worst = differing_across_ranks(wrapped.full_grads())
     return {**seen, "differ": differ, "max_rank_diff": worst, "kind": detect(wrapped.model).kind}
 
 

@@ -1,128 +1,22 @@
-"""Rank-side checks for ``@routed``, HF ``Trainer`` and TRL's redirection: module-level so the pool can pickle
-them by reference. Everything is built locally (a tiny Llama from a config, a WordLevel tokenizer): nothing is
-downloaded. (Real TRL trainer steps: ``wrapperroute.check.trl_cells``, shared with ``check --trl``.)
+"""Rank bodies for tests/test_trl.py: our ``ForwardRedirection`` and TRL's under DDP (module level: the pool
+pickles them by reference). Real TRL trainer steps run ``wrapperroute.check.trl_cells.trl_step``, shared with
+``check --trl``.
 
 Gradient truth is the upstream measurement: after one training step, every parameter's gradient is compared
-across ranks (one all-gather, ``_compare_across_ranks``); the ranks see different data.
+across ranks (one all-gather, ``ranklib.measure``); the ranks see different data.
 """
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from ranklib import measure, shifted_fused_ce
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from wrapperroute.check.cell import _compare_across_ranks
 from wrapperroute.check.models import TinyConfig, build_model
-from wrapperroute.check.trl_cells import lm_rows, tiny_llama, training_args
-from wrapperroute.check.trl_layouts import GradProbe, whole_grads
-from wrapperroute.decorators import routed
-
-
-def _rank() -> int:
-    return dist.get_rank()
-
-
-def _measure(grads: dict[str, torch.Tensor]) -> dict[str, Any]:
-    differ, worst = _compare_across_ranks(grads)
-    return {"params": len(grads), "differ": differ, "max_diff": worst}
-
-
-# --- @routed on plain functions and methods, DDP over the embedded tiny LM ----------------------------------
-
-
-def _fused_ce(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    """Reads ``lm_head.weight`` directly: the pattern that skips the wrapper."""
-    logits = model(ids) @ model.lm_head.weight.t()
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-
-
-routed_fused_ce = routed(_fused_ce)
-
-
-class _Loop:
-    """A trainer-shaped object: ``compute_loss(self, model, inputs)``."""
-
-    @routed
-    def compute_loss(self, model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return _fused_ce(model, inputs["input_ids"])
-
-    @routed(model_arg="student")
-    def distill(self, teacher: Any, student: Any, ids: torch.Tensor) -> torch.Tensor:
-        return _fused_ce(student, ids)
-
-
-class _Plain:
-    def compute_loss(self, model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return _fused_ce(model, inputs["input_ids"])
-
-
-def routed_functions_ddp() -> dict[str, Any]:
-    """Each way of calling a routed loss under DDP: 0 differ; the undecorated function: all differ."""
-    config = TinyConfig()
-    ids = torch.randint(0, config.vocab, (2, config.seq), generator=torch.Generator().manual_seed(_rank()))
-    loop = _Loop()
-    calls: dict[str, Callable[[DDP], torch.Tensor]] = {
-        "undecorated": lambda ddp: _fused_ce(ddp.module, ids),
-        "function": lambda ddp: routed_fused_ce(ddp, ids),
-        "function_kw": lambda ddp: routed_fused_ce(ids=ids, model=ddp),
-        "bound_method": lambda ddp: loop.compute_loss(ddp, {"input_ids": ids}),
-        "unbound_method": lambda ddp: _Loop.compute_loss(loop, ddp, {"input_ids": ids}),
-        "model_arg": lambda ddp: loop.distill(None, ddp, ids),
-        "decorated_bound": lambda ddp: routed(_Plain().compute_loss)(ddp, {"input_ids": ids}),
-    }
-    results: dict[str, Any] = {"seen": routed(lambda model: type(model).__name__)(DDP(build_model(config)))}
-    for name, call in calls.items():
-        model = build_model(config)
-        ddp = DDP(model)
-        call(ddp).backward()
-        results[name] = _measure(whole_grads(model))
-    return results
-
-
-# --- HF Trainer with @routed --------------------------------------------------------------------------------
-
-
-def _lm_rows(rows: int, seq: int) -> list[dict[str, list[int]]]:
-    return [{"input_ids": row, "labels": row} for row in lm_rows(rows, seq)]
-
-
-def _trainer_body(self: Any, model: Any, inputs: dict[str, torch.Tensor], return_outputs: bool = False,
-                  num_items_in_batch: Any = None) -> Any:  # fmt: skip
-    """A fused-loss ``compute_loss``: unwraps the model and reads ``lm_head.weight`` itself."""
-    inner = self.accelerator.unwrap_model(model)
-    hidden = inner.model(input_ids=inputs["input_ids"]).last_hidden_state
-    logits = hidden[:, :-1] @ inner.lm_head.weight.t()
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), inputs["labels"][:, 1:].flatten())
-    return (loss, None) if return_outputs else loss
-
-
-def hf_trainer_routed(decorated: bool) -> dict[str, Any]:
-    from datasets import Dataset
-    from transformers import Trainer, TrainingArguments
-
-    class FusedLossTrainer(Trainer):
-        compute_loss = routed(_trainer_body) if decorated else _trainer_body
-
-    probe = GradProbe()
-    with tempfile.TemporaryDirectory() as out:
-        trainer = FusedLossTrainer(
-            model=tiny_llama(64, 16),
-            args=training_args(TrainingArguments, out, remove_unused_columns=False),
-            train_dataset=Dataset.from_list(_lm_rows(8, 8)),
-            callbacks=[probe],  # type: ignore[list-item]
-        )
-        trainer.train()
-    wrapper = type(trainer.model_wrapped).__name__
-    return {**_measure(probe.grads), "wrapper": wrapper}
-
-
-# --- real TRL DPO / KTO with use_liger_kernel=True: wrapperroute.check.trl_cells.trl_step ---------------------
+from wrapperroute.check.trl_layouts import whole_grads
 
 
 def forward_redirection_ddp(use_trl: bool) -> dict[str, Any]:
@@ -134,12 +28,9 @@ def forward_redirection_ddp(use_trl: bool) -> dict[str, Any]:
         from wrapperroute.integrations.trl import ForwardRedirection as redirection_class
 
     config = TinyConfig()
-    ids = torch.randint(0, config.vocab, (2, config.seq), generator=torch.Generator().manual_seed(_rank()))
+    ids = torch.randint(0, config.vocab, (2, config.seq), generator=torch.Generator().manual_seed(dist.get_rank()))
     model = build_model(config)
     ddp = DDP(model)
-    loss = redirection_class()(ddp, model, _fused_ce, model, ids)
+    loss = redirection_class()(ddp, model, shifted_fused_ce, model, ids)
     loss.backward()
-    return {**_measure(whole_grads(model)), "forward_left": "forward" in model.__dict__}
-
-
-__all__ = ["forward_redirection_ddp", "hf_trainer_routed", "routed_functions_ddp"]
+    return {**measure(whole_grads(model)), "forward_left": "forward" in model.__dict__}

@@ -17,7 +17,7 @@ import rankside_composable as rc
 import torch
 
 import wrapperroute as wr
-from wrapperroute.check.cell import Cell, run_cell
+from wrapperroute.check.cell import REFERENCE_TOLERANCE, Cell, run_cell
 from wrapperroute.check.models import TinyConfig, build_model
 from wrapperroute.ranks import RankPool
 
@@ -25,7 +25,6 @@ HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
 HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
 NEEDS_LIGHTNING = pytest.mark.skipif(not HAS_LIGHTNING, reason="lightning is not installed (wrapperroute[lightning])")
 NEEDS_LIGER = pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed (wrapperroute[liger])")
-TOLERANCE = 1e-6
 
 # (wrapper, options, the loss whose unrouted path shows the bug, what that bug is)
 LAYOUTS = {
@@ -47,7 +46,7 @@ def _assert_exact(results: list[dict[str, Any]]) -> None:
     for rank in results:
         assert rank["error"] is None, rank["error"]
         assert rank["params"] > 0 and rank["differ"] == 0, rank
-        assert rank["max_ref_diff"] <= TOLERANCE, rank
+        assert rank["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
     assert results[0]["losses"] != results[1]["losses"], "ranks must see different data"
 
 
@@ -129,7 +128,7 @@ def test_lightning_trainer_training_step(pool: RankPool, holder: str) -> None:
     second redirection through the wrapper alike, is exact, because the step is inside the wrapper already.)"""
     for rank in pool.run(rc.lightning_trainer_step, holder, timeout=300):
         assert rank["kind"] == "ddp" and rank["direct"] == [True], rank
-        assert rank["differ"] == 0 and rank["params"] > 0 and rank["max_ref_diff"] <= TOLERANCE, rank
+        assert rank["differ"] == 0 and rank["params"] > 0 and rank["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
         assert rank["warnings"] == [], rank
         assert len(rank["outside"]) == 1 and "no distributed wrapper" in rank["outside"][0], rank
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import rankside_diag
+import rankside_diagnostics
 
 from wrapperroute import RouteStateError, check_grad_sync
 from wrapperroute.check.models import TinyConfig, build_model
@@ -11,7 +11,7 @@ from wrapperroute.ranks import RankPool
 
 
 def test_check_grad_sync_ddp(pool: RankPool) -> None:
-    for rank in pool.run(rankside_diag.sync_reports, "ddp"):
+    for rank in pool.run(rankside_diagnostics.sync_reports, "ddp"):
         assert rank["unrouted"]["differing"] == rank["unrouted"]["compared"] > 0, rank
         assert "params differing" in rank["unrouted"]["table"]
         assert rank["routed"]["differing"] == 0 and rank["routed"]["compared"] > 0
@@ -19,7 +19,7 @@ def test_check_grad_sync_ddp(pool: RankPool) -> None:
 
 @pytest.mark.parametrize("wrapper", ["fsdp1", "fsdp2"])
 def test_check_grad_sync_sharded_says_what_it_compares(pool: RankPool, wrapper: str) -> None:
-    for rank in pool.run(rankside_diag.sync_reports, wrapper):
+    for rank in pool.run(rankside_diagnostics.sync_reports, wrapper):
         assert rank["routed"]["compared"] == 0 and "not compared" in rank["routed"]["note"]
 
 
@@ -29,7 +29,7 @@ def test_check_grad_sync_needs_a_group() -> None:
 
 
 def test_guard(pool: RankPool) -> None:
-    for rank in pool.run(rankside_diag.guard_verdicts):
+    for rank in pool.run(rankside_diagnostics.guard_verdicts):
         assert rank["normal"] == "ok"
         assert rank["routed"] == "ok"
         assert rank["no_sync_routed"] == "ok"

@@ -10,13 +10,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import rankside_layouts
+import rankside_fsdp2_layouts
 
-from wrapperroute.check.cell import Cell, run_cell
+from wrapperroute.check.cell import REFERENCE_TOLERANCE, Cell, run_cell
 from wrapperroute.check.wrappers import WRAPPERS
 from wrapperroute.ranks import RankPool
 
-TOLERANCE = 1e-6
 LAYOUTS = ["hsdp", "fsdp2_tail", "fsdp2_keep", "fsdp2_reshard2"]
 
 
@@ -31,7 +30,7 @@ def _assert_exact(results: list[dict[str, Any]]) -> None:
     for rank in results:
         assert rank["error"] is None, rank["error"]
         assert rank["params"] > 0 and rank["differ"] == 0, rank
-        assert rank["max_ref_diff"] <= TOLERANCE, rank
+        assert rank["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
     assert len({tuple(rank["losses"]) for rank in results}) == 4, "ranks must see different data"
 
 
@@ -56,13 +55,13 @@ def test_tail_group_hides_the_bug_for_a_root_loss(pool4: RankPool) -> None:
     (reshard_after_forward=False), so a loss that calls the root and then reads lm_head.weight happens to be
     exact even unrouted; a loss reading the backbone directly still crashes (above). Routing is exact in both."""
     for rank in pool4.run(run_cell, Cell("fsdp2_tail", "fused_ce", routed=False)):
-        assert rank["error"] is None and rank["differ"] == 0 and rank["max_ref_diff"] <= TOLERANCE, rank
+        assert rank["error"] is None and rank["differ"] == 0 and rank["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
 
 
 def test_agree_runs_among_the_ranks_of_the_wrappers_mesh(pool4: RankPool) -> None:
     """agree=True exchanges its flag among the ranks that run the wrapper's step (its mesh), not the world: a
     failure on rank 1 stops ranks 0-1, and the model on ranks 2-3 steps on."""
-    results = {r["rank"]: r for r in pool4.run(rankside_layouts.agree_on_sub_meshes, timeout=120)}
+    results = {r["rank"]: r for r in pool4.run(rankside_fsdp2_layouts.agree_on_sub_meshes, timeout=120)}
     assert "failed on rank(s) [1] of [0, 1]" in (results[0]["raised"] or ""), results[0]
     assert "failed on rank(s) [1] of [0, 1]" in (results[1]["raised"] or ""), results[1]
     assert results[2]["raised"] is None and results[3]["raised"] is None, results

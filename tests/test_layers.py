@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("peft", reason="PEFT is optional: pip install wrapperroute[peft]")
 
-import rankside_ds
+import rankside_layers
 
 from wrapperroute.ranks import RankPool
 
@@ -20,7 +20,7 @@ from wrapperroute.ranks import RankPool
     ],
 )
 def test_layers_detected_and_routed(pool: RankPool, order: str, chain: tuple[str, ...]) -> None:
-    results = pool.run(rankside_ds.layered_route, order, True)
+    results = pool.run(rankside_layers.layered_route, order, True)
     print(order, results[0])
     for result in results:
         assert result["chain"] == chain and result["kind"] == "ddp" and result["inner_is_base"]
@@ -28,6 +28,6 @@ def test_layers_detected_and_routed(pool: RankPool, order: str, chain: tuple[str
 
 
 def test_layers_unrouted_differs(pool: RankPool) -> None:
-    results = pool.run(rankside_ds.layered_route, "peft,ddp,compile", False)
+    results = pool.run(rankside_layers.layered_route, "peft,ddp,compile", False)
     print(results[0])
     assert results[0]["differ"] > 0

@@ -13,14 +13,15 @@ from typing import Any
 import pytest
 import rankside_reliability as rr
 import torch
+from rankside_reliability import concurrency, edge_cases, faults, inputs, lifetime
 from torch import nn
 
 import wrapperroute as wr
+from wrapperroute.check.cell import REFERENCE_TOLERANCE
 from wrapperroute.check.models import TinyConfig, build_model
 from wrapperroute.ranks import RankPool
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-TOLERANCE = 1e-6
 NEEDS_DS = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install wrapperroute[ds])")
 NEEDS_LIGHTNING = pytest.mark.skipif(
     importlib.util.find_spec("lightning") is None, reason="lightning is not installed (wrapperroute[lightning])"
@@ -45,7 +46,7 @@ WRAPPERS = [
 
 
 def _exact(step: dict[str, Any]) -> None:
-    assert step["params"] > 0 and step["differ"] == 0 and step["max_ref_diff"] <= TOLERANCE, step
+    assert step["params"] > 0 and step["differ"] == 0 and step["max_ref_diff"] <= REFERENCE_TOLERANCE, step
 
 
 # --- bad input: single process ------------------------------------------------------------------------------
@@ -107,7 +108,7 @@ def test_bad_input_process_group_gone(tmp_path: Any) -> None:
 
 @pytest.fixture(scope="module")
 def bad_input(pool: RankPool) -> list[dict[str, dict[str, Any]]]:
-    return pool.run(rr.bad_input_cases)
+    return pool.run(inputs.bad_input_cases)
 
 
 BAD_INPUT = {
@@ -142,14 +143,14 @@ def test_bad_input_messages_name_the_fix(bad_input: list[dict[str, dict[str, Any
 
 @pytest.fixture(scope="module")
 def legit(pool: RankPool) -> list[dict[str, dict[str, Any]]]:
-    return pool.run(rr.legit_cases)
+    return pool.run(inputs.legit_cases)
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp1", "fsdp2"])
 def test_no_grad_evaluation_is_routed(legit: list[dict[str, dict[str, Any]]], wrapper: str) -> None:
     for rank in legit:
         facts = rank[f"no_grad-{wrapper}"]
-        assert facts["value_diff"] <= TOLERANCE and not facts["requires_grad"], facts
+        assert facts["value_diff"] <= REFERENCE_TOLERANCE and not facts["requires_grad"], facts
         assert facts["clean"], facts  # FSDP resharded, no forward left, no hook leaked
         _exact(facts["after"])
 
@@ -164,7 +165,9 @@ def test_eval_mode_is_routed(legit: list[dict[str, dict[str, Any]]]) -> None:
 def test_route_from_inside_the_wrappers_forward(legit: list[dict[str, dict[str, Any]]]) -> None:
     for rank in legit:
         facts = rank["inside-own-forward-ddp"]
-        assert facts["forward_calls"] == 1 and facts["differ"] == 0 and facts["max_ref_diff"] <= TOLERANCE, facts
+        assert (
+            facts["forward_calls"] == 1 and facts["differ"] == 0 and facts["max_ref_diff"] <= REFERENCE_TOLERANCE
+        ), facts
 
 
 def test_lazy_fn_rejected_without_wrapper_is_a_plain_call() -> None:
@@ -182,7 +185,7 @@ def test_lazy_fn_rejected_without_wrapper_is_a_plain_call() -> None:
 
 @pytest.mark.parametrize(("wrapper", "opts"), WRAPPERS)
 def test_exception_in_fn_on_every_rank(pool: RankPool, wrapper: str, opts: dict[str, Any]) -> None:
-    for rank in pool.run(rr.fault_then_exact, wrapper, opts):
+    for rank in pool.run(faults.fault_then_exact, wrapper, opts):
         assert rank["raised"] == "ValueError: boom inside the loss"
         assert rank["after"] == rank["before"], rank  # forward, hooks, layout, in-forward flags
         assert rank["after"]["sharded"] and not rank["after"]["in_forward"]
@@ -196,7 +199,7 @@ def test_exception_in_fn_on_every_rank(pool: RankPool, wrapper: str, opts: dict[
     [pytest.param("fsdp2", {"groups": "layers"}, id="fsdp2"), pytest.param("ddp", {}, id="ddp"), REPLICATE, FABRIC],
 )
 def test_keyboard_interrupt_in_fn(pool: RankPool, wrapper: str, opts: dict[str, Any]) -> None:
-    for rank in pool.run(rr.fault_then_exact, wrapper, opts, True):
+    for rank in pool.run(faults.fault_then_exact, wrapper, opts, True):
         assert rank["raised"].startswith("KeyboardInterrupt")
         assert rank["after"] == rank["before"], rank
         for step in rank["steps"]:
@@ -218,7 +221,7 @@ INTERRUPTED = [
 def test_keyboard_interrupt_anywhere(pool: RankPool, wrapper: str, opts: dict[str, Any]) -> None:
     """Ctrl-C at each point of a routed call where Python could raise it, on both ranks: nothing left behind,
     and the next step exact (one-rank version with training calls: tests/test_route_interrupts.py)."""
-    for rank in pool.run(rr.interrupt_anywhere, wrapper, opts, timeout=600):
+    for rank in pool.run(faults.interrupt_anywhere, wrapper, opts, timeout=600):
         assert rank["points"] > 30 and not rank["broken"], rank["broken"]
         assert len(rank["steps"]) == rank["points"] + 1
         for step in rank["steps"]:
@@ -237,7 +240,7 @@ AGREE = [
 
 @pytest.mark.parametrize(("wrapper", "opts"), AGREE)
 def test_one_rank_fails_with_agree(pool: RankPool, wrapper: str, opts: dict[str, Any]) -> None:
-    ranks = pool.run(rr.one_rank_fails_agreed, wrapper, opts, timeout=120)
+    ranks = pool.run(faults.one_rank_fails_agreed, wrapper, opts, timeout=120)
     for index, rank in enumerate(ranks):
         assert rank["raised"] == "RouteStateError", rank
         assert "failed on rank(s) [1]" in rank["message"], rank
@@ -247,7 +250,7 @@ def test_one_rank_fails_with_agree(pool: RankPool, wrapper: str, opts: dict[str,
 
 
 def test_one_rank_fails_without_agree_is_bounded_by_the_group_timeout(pool: RankPool) -> None:
-    waiting, failed = pool.run(rr.one_rank_fails_bounded, 3.0, timeout=60)
+    waiting, failed = pool.run(faults.one_rank_fails_bounded, 3.0, timeout=60)
     assert failed["error"] == "ValueError: only rank 1 fails"
     assert waiting["error"] is not None and "Timed out" in waiting["error"], waiting
     assert 2.5 <= waiting["seconds"] <= 30, waiting
@@ -262,7 +265,7 @@ def test_one_rank_fails_without_agree_is_bounded_by_the_group_timeout(pool: Rank
 )
 def test_long_run(pool: RankPool, wrapper: str, opts: dict[str, Any], steps: int) -> None:
     """1,000 DDP steps (FSDP2, ~40 ms a step on 2 CPU ranks, runs 150 to stay in the suite's budget)."""
-    for rank in pool.run(rr.long_run, wrapper, opts, steps, 50, timeout=300):
+    for rank in pool.run(lifetime.long_run, wrapper, opts, steps, 50, timeout=300):
         assert rank["steps"] == steps
         assert rank["forward_changed"] == 0 and rank["hooks_changed"] == 0, rank
         assert rank["rss_growth_mib"] <= 5.0, rank
@@ -283,8 +286,8 @@ def test_routing_does_not_keep_the_model_alive(pool: RankPool, wrapper: str, opt
     own state, held the model strongly.) Not DeepSpeed: the control fails there, deepspeed itself keeps
     every engine alive."""
     for control, routed in zip(
-        pool.run(rr.released, wrapper, opts, False, timeout=120),
-        pool.run(rr.released, wrapper, opts, True, timeout=120),
+        pool.run(lifetime.released, wrapper, opts, False, timeout=120),
+        pool.run(lifetime.released, wrapper, opts, True, timeout=120),
         strict=True,
     ):
         assert not control["inner_alive"] and not control["model_alive"], control  # collectable unrouted
@@ -297,7 +300,7 @@ def test_routing_does_not_keep_the_model_alive(pool: RankPool, wrapper: str, opt
 
 @pytest.fixture(scope="module")
 def edges(pool: RankPool) -> list[dict[str, Any]]:
-    return pool.run(rr.edge_cases, timeout=120)
+    return pool.run(edge_cases.edge_cases, timeout=120)
 
 
 def test_agree_with_a_gather_iterator_unshards_what_it_names(edges: list[dict[str, Any]]) -> None:
@@ -332,13 +335,13 @@ def test_model_sharded_after_its_first_call_is_routed(edges: list[dict[str, Any]
 
 @pytest.fixture(scope="module")
 def threads(pool: RankPool) -> list[dict[str, Any]]:
-    return pool.run(rr.threads_cases, timeout=120)
+    return pool.run(concurrency.threads_cases, timeout=120)
 
 
 def test_threads_two_models_with_grad(threads: list[dict[str, Any]]) -> None:
     for rank in threads:
         facts = rank["two_models"]
-        assert not facts["errors"] and facts["differ"] == 0 and facts["max_ref_diff"] <= TOLERANCE, facts
+        assert not facts["errors"] and facts["differ"] == 0 and facts["max_ref_diff"] <= REFERENCE_TOLERANCE, facts
         assert not facts["forward_left"]
 
 
@@ -346,8 +349,8 @@ def test_threads_train_and_evaluate_one_model(threads: list[dict[str, Any]]) -> 
     for rank in threads:
         facts = rank["train_and_eval"]
         assert not facts["errors"], facts
-        assert facts["differ"] == 0 and facts["max_ref_diff"] <= TOLERANCE, facts
-        assert facts["eval_diff"] is not None and facts["eval_diff"] <= TOLERANCE, facts
+        assert facts["differ"] == 0 and facts["max_ref_diff"] <= REFERENCE_TOLERANCE, facts
+        assert facts["eval_diff"] is not None and facts["eval_diff"] <= REFERENCE_TOLERANCE, facts
         assert not facts["forward_left"]
 
 

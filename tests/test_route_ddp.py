@@ -9,15 +9,14 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-import rankside
+import rankside_route_ddp
 
-from wrapperroute.check.cell import Cell, run_cell
+from wrapperroute.check.cell import REFERENCE_TOLERANCE, Cell, run_cell
 from wrapperroute.check.losses import LOSSES
 from wrapperroute.check.models import TinyConfig
 from wrapperroute.ranks import RankPool
 
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
-TOLERANCE = 1e-6
 # DDP itself, and the two setups that run a DDP forward without the wrapper object or inside another layer.
 COMPOSED_DDP = ["ddp", "replicate"] + (["fabric_ddp"] if importlib.util.find_spec("lightning") else [])
 
@@ -60,7 +59,7 @@ def test_gradient_truth(pool: RankPool, loss: str, setting: str) -> None:
         assert rank["error"] is None, rank["error"]
         assert rank["params"] > 0
         assert rank["differ"] == 0, rank
-        assert rank["max_ref_diff"] <= TOLERANCE, rank
+        assert rank["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
     assert routed[0]["losses"] != routed[1]["losses"], "ranks must see different data"
 
     unrouted = pool.run(run_cell, _cell(loss, setting, routed=False))
@@ -93,20 +92,20 @@ def _crash_then_fallback(pool: RankPool, wrapper: str) -> None:
     for rank in fixed:
         assert rank["error"] is None, rank["error"]
         assert rank["fell_back"], "auto mode should have engaged the fallback on a fresh compile"
-        assert rank["differ"] == 0 and rank["max_ref_diff"] <= TOLERANCE, rank
+        assert rank["differ"] == 0 and rank["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
 
     isolated = pool.run(run_cell, Cell(wrapper, loss="liger_dpo", mode="isolate", fresh_compile=True))
     for rank in isolated:
         assert rank["error"] is None, rank["error"]
         assert not rank["fell_back"], "isolate mode needs no failed first attempt"
-        assert rank["differ"] == 0 and rank["max_ref_diff"] <= TOLERANCE, rank
+        assert rank["differ"] == 0 and rank["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
 
 
 @pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed (pip install wrapperroute[liger])")
 @pytest.mark.parametrize("mode", ["redirect", "auto"])
 def test_failed_compile_leaves_saved_tensor_hooks_on(mode: str) -> None:
     with RankPool(2) as pool:  # fresh ranks: the failure needs a first compile (see the crash test)
-        results = pool.run(rankside.saved_tensor_hooks_after, mode)
+        results = pool.run(rankside_route_ddp.saved_tensor_hooks_after, mode)
     for rank in results:
         assert rank["hooks"], rank
         if mode == "auto":
@@ -116,21 +115,21 @@ def test_failed_compile_leaves_saved_tensor_hooks_on(mode: str) -> None:
 
 
 def test_no_sync_defers_allreduce(pool: RankPool) -> None:
-    for rank in pool.run(rankside.no_sync_skips_allreduce):
+    for rank in pool.run(rankside_route_ddp.no_sync_skips_allreduce):
         assert rank["differ_inside"] == rank["params"], "no all-reduce may happen inside no_sync"
         assert rank["differ_after"] == 0
 
 
 def test_exception_in_fn_restores_and_next_step_exact(pool: RankPool) -> None:
-    for rank in pool.run(rankside.fn_raises_then_exact):
+    for rank in pool.run(rankside_route_ddp.fn_raises_then_exact):
         assert rank["raised"] == "boom inside the loss"
         assert rank["restored"], "the inner module must be left exactly as it was"
         after = rank["after"]
-        assert after["error"] is None and after["differ"] == 0 and after["max_ref_diff"] <= TOLERANCE
+        assert after["error"] is None and after["differ"] == 0 and after["max_ref_diff"] <= REFERENCE_TOLERANCE
 
 
 def test_nested_route_enters_wrapper_once(pool: RankPool) -> None:
-    for rank in pool.run(rankside.nested_runs_once):
+    for rank in pool.run(rankside_route_ddp.nested_runs_once):
         assert rank["forward_calls"] == 1
         assert rank["differ"] == 0
         assert not rank["forward_left"]
@@ -138,7 +137,7 @@ def test_nested_route_enters_wrapper_once(pool: RankPool) -> None:
 
 @pytest.mark.parametrize("find_unused", [False, True], ids=["default", "find_unused"])
 def test_pytree_outputs(pool: RankPool, find_unused: bool) -> None:
-    for rank in pool.run(rankside.pytree_outputs, find_unused):
+    for rank in pool.run(rankside_route_ddp.pytree_outputs, find_unused):
         assert rank["types"]["tuple"] == "tuple"
         assert rank["types"]["dict"] == "dict"
         assert rank["types"]["dataclass"] == "LossOutput"
@@ -146,27 +145,27 @@ def test_pytree_outputs(pool: RankPool, find_unused: bool) -> None:
 
 
 def test_threads_keep_their_payloads(pool: RankPool) -> None:
-    for rank in pool.run(rankside.threads_keep_their_payloads):
+    for rank in pool.run(rankside_route_ddp.threads_keep_their_payloads):
         assert rank["got"] == {"a": "a", "b": "b"}
         assert not rank["forward_left"] and not rank["marker_left"]
 
 
 def test_stale_ddp_forward_marker_neither_skips_routing_nor_stays(pool: RankPool) -> None:
-    for rank in pool.run(rankside.stale_ddp_marker):
+    for rank in pool.run(rankside_route_ddp.stale_ddp_marker):
         assert rank["stale_before"], "the scenario must leave DDP's marker stale, or it proves nothing"
         assert rank["routed"] and rank["differ"] == 0, rank
         assert not rank["marker_left"]
 
 
 def test_through_compile_layers(pool: RankPool) -> None:
-    for rank in pool.run(rankside.compiled_layers):
+    for rank in pool.run(rankside_route_ddp.compiled_layers):
         for layout, facts in rank.items():
             assert facts["differ"] == 0, (layout, facts)
             assert facts["forward_restored"], (layout, facts)
 
 
 def test_wrapper_that_replaces_the_token_is_named(pool: RankPool) -> None:
-    for rank in pool.run(rankside.token_replaced_by_wrapper):
+    for rank in pool.run(rankside_route_ddp.token_replaced_by_wrapper):
         failed, message = rank["swallow=False"]
         assert failed != "returned" and "before the loss ran" in message, rank  # the wrapper's error, annotated
         kind, message = rank["swallow=True"]

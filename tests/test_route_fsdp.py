@@ -6,14 +6,13 @@ import importlib.util
 from typing import Any
 
 import pytest
-import rankside_fsdp
+import rankside_route_fsdp
 
-from wrapperroute.check.cell import Cell, run_cell
+from wrapperroute.check.cell import REFERENCE_TOLERANCE, Cell, run_cell
 from wrapperroute.check.models import TinyConfig
 from wrapperroute.ranks import RankPool
 
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
-TOLERANCE = 1e-6
 
 LAYOUTS = {
     "fsdp1-root": ("fsdp1", {}),
@@ -32,7 +31,7 @@ def _assert_exact(results: list[dict[str, Any]]) -> None:
     for rank in results:
         assert rank["error"] is None, rank["error"]
         assert rank["params"] > 0 and rank["differ"] == 0, rank
-        assert rank["max_ref_diff"] <= TOLERANCE, rank
+        assert rank["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -55,7 +54,7 @@ def test_accumulation(pool: RankPool, layout: str) -> None:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_resharded_after_step(pool: RankPool, layout: str) -> None:
     wrapper, opts = LAYOUTS[layout]
-    for rank in pool.run(rankside_fsdp.shards_after_step, wrapper, opts):
+    for rank in pool.run(rankside_route_fsdp.shards_after_step, wrapper, opts):
         for name, facts in rank.items():
             assert facts["local"] <= facts["max_local"], (name, facts)
             if wrapper == "fsdp2":
@@ -79,7 +78,7 @@ def test_fsdp2_tied_weights_split_groups_error_says_how(pool: RankPool) -> None:
 
 
 def test_fsdp2_payload_not_cast(pool: RankPool) -> None:
-    for rank in pool.run(rankside_fsdp.payload_not_cast):
+    for rank in pool.run(rankside_route_fsdp.payload_not_cast):
         assert rank["payload"] == "torch.float32"
         assert rank["lm_head"] == "torch.bfloat16"
 
@@ -87,7 +86,7 @@ def test_fsdp2_payload_not_cast(pool: RankPool) -> None:
 @pytest.mark.parametrize("layout", ["fsdp1-lm_head_unit", "fsdp2-layers", "fsdp2-root"])
 def test_reentrant_calls_are_plain(pool: RankPool, layout: str) -> None:
     wrapper, opts = LAYOUTS[layout]
-    for rank in pool.run(rankside_fsdp.reentrant, wrapper, opts):
-        assert rank["differ"] == 0 and rank["max_ref_diff"] <= TOLERANCE, rank
+    for rank in pool.run(rankside_route_fsdp.reentrant, wrapper, opts):
+        assert rank["differ"] == 0 and rank["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
         after = rank["after"]
-        assert after["error"] is None and after["differ"] == 0 and after["max_ref_diff"] <= TOLERANCE, after
+        assert after["error"] is None and after["differ"] == 0 and after["max_ref_diff"] <= REFERENCE_TOLERANCE, after

@@ -93,12 +93,18 @@ def test_graph_optimizer_failure_is_recognised_through_the_chain() -> None:
 def test_fast_path_facts_match_what_the_adapters_do() -> None:
     """route_loss trusts each adapter's class facts instead of asking: an adapter that says it enters nothing on
     a plain call must return NOTHING there, and one that says it picks no units must not override the two
-    methods its fast path skips."""
+    methods its fast path skips; one that says it repairs nothing must not override repair. A layer that is
+    only peeled has no routing verb at all."""
     from wrapperroute.adapters import registered
     from wrapperroute.adapters.base import NOTHING, Adapter
 
     for adapter in registered():
         kind = type(adapter)
+        if not isinstance(adapter, Adapter):
+            assert not adapter.distributed and not hasattr(adapter, "inside"), kind
+            continue
+        if not adapter.repairs:
+            assert kind.repair is Adapter.repair, kind
         if not adapter.enters_every_call:
             assert adapter.inside(torch.nn.Linear(1, 1), isolate=False, gather=()) is NOTHING, kind
         if not adapter.picks_units:

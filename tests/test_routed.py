@@ -8,7 +8,7 @@ import inspect
 from typing import Any
 
 import pytest
-import rankside_trl
+import rankside_routed
 import torch
 from torch import nn
 
@@ -104,7 +104,7 @@ def test_model_argument_resolution() -> None:
 
 
 def test_routed_functions_and_methods_under_ddp(pool: RankPool) -> None:
-    results = pool.run(rankside_trl.routed_functions_ddp)
+    results = pool.run(rankside_routed.routed_functions_ddp)
     for rank in results:
         assert rank["seen"] == "TinyCausalLM"  # the body sees the unwrapped model, not DDP
         undecorated = rank.pop("undecorated")
@@ -116,8 +116,8 @@ def test_routed_functions_and_methods_under_ddp(pool: RankPool) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
 def test_hf_trainer_subclass_under_ddp(pool: RankPool) -> None:
-    plain = pool.run(rankside_trl.hf_trainer_routed, False)[0]
-    decorated = pool.run(rankside_trl.hf_trainer_routed, True)[0]
+    plain = pool.run(rankside_routed.hf_trainer_routed, False)[0]
+    decorated = pool.run(rankside_routed.hf_trainer_routed, True)[0]
     print(f"\nHF Trainer fused compute_loss: undecorated {plain}, @routed {decorated}")
     assert plain["wrapper"] == decorated["wrapper"] == "DistributedDataParallel"
     assert plain["differ"] == plain["params"] > 0

@@ -86,6 +86,7 @@ class _Plan:
         "model_type",
         "nothing_inside",
         "picks_units",
+        "repairs",
         "result_check",
         "state",
         "target_ref",
@@ -113,7 +114,7 @@ class _Plan:
         self.adapter = adapter
         self.target_ref: Callable[[], nn.Module | None] = _no_wrapper
         self.state: _Swap | None = None
-        self.nothing_inside = self.picks_units = False
+        self.nothing_inside = self.picks_units = self.repairs = False
         self.result_check: Callable[[nn.Module, Any], None] | None = None
         if wrapper is not None and adapter is not None:
             # nn.Module attribute lookups of submodules (``ddp.module``) cost a microsecond: once per model.
@@ -123,6 +124,7 @@ class _Plan:
             # The adapter's fast-path facts, read once: DDP's every step skips both.
             self.picks_units = adapter.picks_units
             self.nothing_inside = not adapter.enters_every_call
+            self.repairs = adapter.repairs
             self.result_check = adapter.result_check(wrapper)
         self.checked: dict[int, weakref.ref[nn.Module]] = {}
 

@@ -66,7 +66,7 @@ def detect(model: nn.Module) -> Detection:
         raise RouteTypeError(
             f"model must be a torch.nn.Module (the wrapped model your trainer calls), got {type(model).__name__}"
         )
-    adapters = registered()
+    known = registered()
     chain: list[str] = []
     layers: list[nn.Module] = []
     wrapper: nn.Module | None = None
@@ -76,17 +76,18 @@ def detect(model: nn.Module) -> Detection:
     module = model
     applied: set[tuple[int, int]] = set()  # (id(adapter), id(module)): FSDP2 peels to the same object
     while len(chain) < _MAX_LAYERS and type(module) not in plain_types:
-        for adapter in adapters:
-            key = (id(adapter), id(module))
-            if key not in applied and adapter.claims(module):
+        for layer in known:
+            key = (id(layer), id(module))
+            if key not in applied and layer.claims(module):
                 applied.add(key)
-                chain.append(adapter.kind)
+                chain.append(layer.kind)
                 layers.append(module)
-                if adapter.distributed and wrapper is None:
-                    wrapper, wrapper_adapter = module, adapter
-                if adapter.enters and wrapper is None and entry is None:  # only a layer outside the wrapper
-                    entry, entry_adapter = module, adapter
-                module = adapter.peel(module)
+                if isinstance(layer, Adapter) and wrapper is None:
+                    if layer.distributed:
+                        wrapper, wrapper_adapter = module, layer
+                    elif layer.enters and entry is None:  # only a layer outside the wrapper
+                        entry, entry_adapter = module, layer
+                module = layer.peel(module)
                 break
         else:
             if not layers or layers[-1] is not module:  # FSDP2 claims a module and peels to itself

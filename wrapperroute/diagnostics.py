@@ -67,33 +67,47 @@ def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None,
             found.kind, 0, 0, 0.0, note=f"{found.kind} shards gradients: local shards differ by design, not compared"
         )
     named = [(n, p) for n, p in found.inner.named_parameters() if p.requires_grad]
-    grads = [_local(p.grad.detach() if p.grad is not None else torch.zeros_like(p)) for _, p in named]
-    checksums = (
-        torch.stack([torch.stack([g.double().sum(), g.double().square().sum()]) for g in grads])
-        if grads
-        else torch.zeros(0, 2, dtype=torch.float64)
-    )
-    world = dist.get_world_size(group)
-    gathered = [torch.empty_like(checksums) for _ in range(world)]
-    dist.all_gather(gathered, checksums, group=group)
-    stacked = torch.stack(gathered)
-    suspects = [i for i in range(len(named)) if not bool((stacked[:, i] == stacked[0, i]).all())]
-    diffs: list[tuple[str, float]] = []
-    if suspects:  # every rank computed the same suspect list from the same gathered checksums
-        flat = torch.cat([grads[i].reshape(-1).float() for i in suspects])
-        everyone = [torch.empty_like(flat) for _ in range(world)]
-        dist.all_gather(everyone, flat, group=group)
-        offset = 0
-        for i in suspects:
-            size = grads[i].numel()
-            pieces = [e[offset : offset + size] for e in everyone]
-            diffs.append((named[i][0], max(float((p - pieces[0]).abs().max()) for p in pieces)))
-            offset += size
-    diffs.sort(key=lambda item: -item[1])
+    grads = [(n, _local(p.grad.detach() if p.grad is not None else torch.zeros_like(p))) for n, p in named]
+    diffs = sorted(compare_across_ranks(grads, group=group), key=lambda item: -item[1])
     differing = sum(1 for _, d in diffs if d > 0)
     return SyncReport(
         found.kind, len(named), differing, diffs[0][1] if diffs else 0.0, tuple(d for d in diffs[:top] if d[1] > 0)
     )
+
+
+def compare_across_ranks(
+    grads: list[tuple[str, torch.Tensor]], *, group: dist.ProcessGroup | None = None, whole: bool = False
+) -> list[tuple[str, float]]:
+    """``(name, max abs difference across the ranks of group)`` for each tensor of ``grads`` (in order, the
+    same names on every rank); every rank calls it. By default one all-gather of two float64 checksums per
+    tensor (sum and sum of squares), then only the tensors whose checksums differ are gathered whole to measure
+    the difference; the others count 0. ``whole=True`` gathers every tensor whole (the test suite's exact
+    comparison: no pair of differing tensors can share both checksums)."""
+    world = dist.get_world_size(group)
+    if whole:
+        suspects = list(range(len(grads)))
+    else:
+        checksums = (
+            torch.stack([torch.stack([g.double().sum(), g.double().square().sum()]) for _, g in grads])
+            if grads
+            else torch.zeros(0, 2, dtype=torch.float64)
+        )
+        gathered = [torch.empty_like(checksums) for _ in range(world)]
+        dist.all_gather(gathered, checksums, group=group)
+        stacked = torch.stack(gathered)
+        suspects = [i for i in range(len(grads)) if not bool((stacked[:, i] == stacked[0, i]).all())]
+    diffs = [0.0] * len(grads)
+    if suspects:  # every rank computed the same suspect list from the same gathered checksums
+        flat = torch.cat([grads[i][1].reshape(-1).float() for i in suspects])
+        everyone = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(everyone, flat, group=group)
+        offset = 0
+        for i in suspects:
+            size = grads[i][1].numel()
+            pieces = [e[offset : offset + size] for e in everyone]
+            diffs[i] = max(float((p - pieces[0]).abs().max()) if size else 0.0 for p in pieces)
+            offset += size
+    return [(name, diff) for (name, _), diff in zip(grads, diffs, strict=True)]
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:

@@ -114,6 +114,8 @@ def route_loss(
         # so a plain call. (With calls of ours in flight, the flag may be another thread's: _enter_wrapper's
         # concurrency check decides.)
         return fn(*args, **kwargs)
+    elif plan.repairs:
+        adapter.repair(wrapper)
     if not dist.is_initialized() and adapter.distributed:
         raise RouteStateError(
             f"model is a {plan.kind!r} wrapper but torch.distributed has no process group (never initialised, "

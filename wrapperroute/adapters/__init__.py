@@ -1,4 +1,5 @@
-"""One adapter per wrapper family, behind :class:`~wrapperroute.adapters.base.Adapter`.
+"""One adapter per wrapper family: :class:`~wrapperroute.adapters.base.Adapter` for those routed through,
+:class:`~wrapperroute.adapters.base.Layer` for those only peeled.
 
 Optional families (DeepSpeed, PEFT, Lightning Fabric) are consulted only once their package is imported: a
 model cannot be a ``DeepSpeedEngine`` unless ``deepspeed`` was imported, so wrapperroute never imports it itself.
@@ -8,15 +9,15 @@ from __future__ import annotations
 
 import sys
 
-from .base import Adapter
-from .compile import CompileAdapter
+from .base import Adapter, Layer
+from .compile import CompileLayer
 from .ddp import DDPAdapter
 from .fsdp1 import FSDP1Adapter
 from .fsdp2 import FSDP2Adapter, ReplicateFSDPAdapter
 from .replicate import ReplicateAdapter
 
-_CORE: tuple[Adapter, ...] = (
-    CompileAdapter(),
+_CORE: tuple[Layer, ...] = (
+    CompileLayer(),
     DDPAdapter(),
     FSDP1Adapter(),
     FSDP2Adapter(),
@@ -26,15 +27,15 @@ _CORE: tuple[Adapter, ...] = (
 # package name -> (module path, adapter class name)
 _OPTIONAL: dict[str, tuple[str, str]] = {
     "deepspeed": ("wrapperroute.adapters.deepspeed", "DeepSpeedAdapter"),
-    "peft": ("wrapperroute.adapters.peft", "PeftAdapter"),
+    "peft": ("wrapperroute.adapters.peft", "PeftLayer"),
     "lightning": ("wrapperroute.adapters.fabric", "FabricAdapter"),
     "lightning_fabric": ("wrapperroute.adapters.fabric", "StandaloneFabricAdapter"),
 }
-_loaded_optional: dict[str, Adapter] = {}
+_loaded_optional: dict[str, Layer] = {}
 
 
-def registered() -> tuple[Adapter, ...]:
-    """The adapters to consult, core first, then those whose package is already imported."""
+def registered() -> tuple[Layer, ...]:
+    """The layers and adapters to consult, core first, then those whose package is already imported."""
     for package, (module_path, class_name) in _OPTIONAL.items():
         if package not in _loaded_optional and package in sys.modules:
             module = __import__(module_path, fromlist=[class_name])
@@ -44,4 +45,4 @@ def registered() -> tuple[Adapter, ...]:
     return _CORE + tuple(_loaded_optional.values())
 
 
-__all__ = ["Adapter", "registered"]
+__all__ = ["Adapter", "Layer", "registered"]

@@ -1,19 +1,20 @@
-"""The one protocol every wrapper family implements.
+"""The two protocols of the wrapper families.
 
 A *layer* is anything that can sit between the object a trainer holds and the module that owns the
 parameters: ``torch.compile``'s ``OptimizedModule``, DDP, FSDP1, FSDP2, a DeepSpeed engine, a PEFT model, a
-Lightning Fabric module. Only *distributed* layers are routed through; the others are peeled so
-:func:`wrapperroute.detect` can see through them (Fabric's is also *entered*: its forward runs around the
-wrapper's). What each adapter declares and overrides (a blank is the default below):
+Lightning Fabric module. A :class:`Layer` is only peeled, so :func:`wrapperroute.detect` can see through it
+(compile, PEFT). An :class:`Adapter` is also routed through: a *distributed* wrapper, or a layer that is
+*entered* (Fabric's module, whose forward runs around the wrapper's, or alone on one device). What each
+declares and overrides (a blank is the default below):
 
 =================  ===========================================  =============================================
 adapter (kind)     class facts                                  overrides
 =================  ===========================================  =============================================
-compile, peft      (peeled only)                                claims, peel
-fabric             enters                                       claims, peel
-ddp                distributed, isolates                        in_forward, describe, inside (isolate),
+compile, peft      a Layer: peeled only                         claims, peel
+fabric             enters, not distributed                      claims, peel
+ddp                distributed, isolates, repairs               in_forward, describe, inside (isolate),
                                                                 result_check (find_unused), concurrency_error,
-                                                                step_ranks
+                                                                step_ranks, repair
 replicate          distributed, isolates, enters_every_call     the same, and recover
 fsdp1              distributed, shards, picks_units             redirect_target, in_forward, describe, recover,
                                                                 nested_units, step_ranks
@@ -39,11 +40,30 @@ from torch import nn
 NOTHING = contextlib.nullcontext()  # reusable and re-entrant: the default ``inside``
 
 
-class Adapter:
-    """Knows one wrapper family. Subclasses override what differs; the defaults fit a transparent layer.
+class Layer:
+    """A layer that is only peeled (``torch.compile``, PEFT): never routed through.
 
     kind
-        Short stable name reported by :func:`wrapperroute.detect` (``"ddp"``, ``"compile"``...).
+        Short stable name reported by :func:`wrapperroute.detect` (``"compile"``, ``"peft"``...).
+    """
+
+    kind: ClassVar[str] = "?"
+    distributed: ClassVar[bool] = False
+    enters: ClassVar[bool] = False
+
+    def claims(self, module: nn.Module) -> bool:
+        """Whether ``module`` is a layer of this family."""
+        raise NotImplementedError
+
+    def peel(self, module: nn.Module) -> nn.Module:
+        """The next module inward. A layer that *is* the model (FSDP2) returns ``module`` itself."""
+        raise NotImplementedError
+
+
+class Adapter(Layer):
+    """Knows one wrapper family that is routed through. Subclasses override what differs; the defaults fit a
+    wrapper that holds every parameter whole and keeps no forward state.
+
     distributed
         True when the layer's forward arms gradient synchronisation or gathers parameters, i.e. when a loss
         must run *inside* its forward.
@@ -64,33 +84,29 @@ class Adapter:
         True for a layer that is not distributed itself but whose own forward must run around the wrapper's
         (Lightning Fabric's precision context): :func:`wrapperroute.route_loss` calls that layer, not the
         wrapper inside it.
+    repairs
+        True when ``repair`` does something: it is then called before every routed call enters the wrapper.
     """
 
-    kind: ClassVar[str] = "?"
-    distributed: ClassVar[bool] = False
+    distributed: ClassVar[bool] = True
     shards: ClassVar[bool] = False
     isolates: ClassVar[bool] = False
-    enters: ClassVar[bool] = False
     picks_units: ClassVar[bool] = False
     enters_every_call: ClassVar[bool] = False
-
-    def claims(self, module: nn.Module) -> bool:
-        """Whether ``module`` is a layer of this family."""
-        raise NotImplementedError
-
-    def peel(self, module: nn.Module) -> nn.Module:
-        """The next module inward. A layer that *is* the model (FSDP2) returns ``module`` itself."""
-        raise NotImplementedError
-
-    # The verbs below are only used for distributed layers.
+    repairs: ClassVar[bool] = False
 
     def redirect_target(self, wrapper: nn.Module) -> nn.Module:
         """The module whose ``forward`` the wrapper's forward calls: its forward is swapped for the loss."""
         return self.peel(wrapper)
 
     def in_forward(self, wrapper: nn.Module) -> bool:
-        """Whether the wrapper's own forward is running right now (routing again would re-enter it)."""
+        """Whether this thread is inside the wrapper's own forward right now (routing again would re-enter it).
+        A query: it changes nothing."""
         return False
+
+    def repair(self, wrapper: nn.Module) -> None:
+        """Before a routed call enters the wrapper (adapters with ``repairs``): put right process-wide state that
+        others left behind and that would change what the forward does (DDP: a forward marker no forward owns)."""
 
     def describe(self, wrapper: nn.Module) -> dict[str, Any]:
         """Extra facts for :class:`~wrapperroute.Detection` (e.g. the ZeRO stage)."""

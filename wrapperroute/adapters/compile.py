@@ -5,10 +5,10 @@ from __future__ import annotations
 from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 
-from .base import Adapter
+from .base import Layer
 
 
-class CompileAdapter(Adapter):
+class CompileLayer(Layer):
     kind = "compile"
 
     def claims(self, module: nn.Module) -> bool:

@@ -37,6 +37,7 @@ class DDPAdapter(Adapter):
     kind = "ddp"
     distributed = True
     isolates = True
+    repairs = True
 
     def claims(self, module: nn.Module) -> bool:
         return isinstance(module, DistributedDataParallel)
@@ -52,10 +53,12 @@ class DDPAdapter(Adapter):
         # The marker is one class attribute shared by every thread, and DDP's save/restore of it is not
         # thread-safe: forwards that overlap in two threads can leave it set after both ended. Trusting a stale
         # marker would call the loss plainly, outside the forward: a silent desync. This thread's stack decides.
-        if _forward_frame(sys._getframe(1), wrapper):
-            return True
-        _clear_if_stale(active)
-        return False
+        return _forward_frame(sys._getframe(1), wrapper)
+
+    def repair(self, wrapper: nn.Module) -> None:
+        active = DistributedDataParallel._active_ddp_module
+        if active is not None:  # rare: set while no forward of this thread runs (see in_forward)
+            _clear_if_stale(active)
 
     def describe(self, wrapper: nn.Module) -> dict[str, Any]:
         ddp: DistributedDataParallel = wrapper  # type: ignore[assignment]

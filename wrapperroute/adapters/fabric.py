@@ -21,6 +21,7 @@ from .base import Adapter
 
 class FabricAdapter(Adapter):
     kind = "fabric"
+    distributed = False
     enters = True
     package = "lightning.fabric"
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from peft import PeftModel
 from torch import nn
 
-from .base import Adapter
+from .base import Layer
 
 
-class PeftAdapter(Adapter):
+class PeftLayer(Layer):
     kind = "peft"
 
     def claims(self, module: nn.Module) -> bool:

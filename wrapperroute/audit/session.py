@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import GradSyncError
-from .replicas import _SEQ, Difference, compare, replicas, wrappers
+from .replicas import _SEQ, Difference, SignatureExchange, compare, replicas, wrappers
 
 OnDesync = Literal["exit", "raise", "warn"]
 DESYNC_EXIT = 3  # the exit status of a run in which a desync was found
@@ -60,6 +60,7 @@ class Audit:
         self.finished = False
         self.stepped = False  # some optimizer stepped while several ranks ran
         self._side: Any = group  # the gloo group comparisons run on; None: one made at the first audited step
+        self._exchange = SignatureExchange()
         self._optimizers: dict[int, tuple[int, int]] = {}  # id -> (index in first-step order, steps seen)
         # The wrappers found by the last scan of the process's objects (weakly: the audit keeps no model alive).
         # Scanned again for an optimizer not seen before, or when one of them is gone.
@@ -140,7 +141,7 @@ class Audit:
         self.kinds.update(kinds)
         if not found:
             return
-        compared, differences = compare(found, self._side_group(), grads_of, params)
+        compared, differences = compare(found, self._side_group(), grads_of, params, self._exchange)
         checkpoint = Checkpoint(label, compared, differences)
         self.checkpoints.append(checkpoint)
         if differences:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .._state import forget_isolated, routing_state
+from ..diagnostics import compare_across_ranks
 from ..route import Mode, route_loss
 from .losses import LOSSES, make_batch
 from .models import TinyConfig, build_model
@@ -74,23 +75,14 @@ def is_exact(cell: dict[str, Any]) -> bool:
     return cell["error"] is None and cell["differ"] == 0 and cell["max_ref_diff"] <= REFERENCE_TOLERANCE
 
 
-def _compare_across_ranks(grads: dict[str, torch.Tensor]) -> tuple[int, float]:
-    names = sorted(grads)
-    flat = torch.cat([grads[n].reshape(-1).float() for n in names])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
-    differ, worst, offset = 0, 0.0, 0
-    for name in names:
-        size = grads[name].numel()
-        pieces = [g[offset : offset + size] for g in gathered]
-        diff = max(float((p - pieces[0]).abs().max()) if size else 0.0 for p in pieces)
-        differ += diff > RANK_TOLERANCE
-        worst = max(worst, diff)
-        offset += size
-    return differ, worst
+def differing_across_ranks(grads: dict[str, torch.Tensor]) -> tuple[int, float]:
+    """(parameters differing across ranks, the largest difference), every tensor gathered whole: exact."""
+    diffs = [diff for _, diff in compare_across_ranks(sorted(grads.items()), whole=True)]
+    return sum(diff > RANK_TOLERANCE for diff in diffs), max(diffs, default=0.0)
 
 
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+def max_grad_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest difference between two sets of gradients, over ``b``'s names (a step against its reference)."""
     return max(float((a[n].float() - b[n].float()).abs().max()) for n in b)
 
 
@@ -129,7 +121,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
             result.error = traceback.format_exc(limit=-8)
             break
         grads = wrapped.full_grads()
-        differ, rank_diff = _compare_across_ranks(grads)
+        differ, rank_diff = differing_across_ranks(grads)
 
         for micro in range(cell.accum):
             batches = [make_batch(case, config, r, step, micro, cell.rows) for r in range(world)]
@@ -140,7 +132,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         result.params = len(grads)
         result.differ = max(result.differ, differ)
         result.max_rank_diff = max(result.max_rank_diff, rank_diff)
-        result.max_ref_diff = max(result.max_ref_diff, _max_diff(grads, ref_grads))
+        result.max_ref_diff = max(result.max_ref_diff, max_grad_diff(grads, ref_grads))
         wrapped.step()
         reference.step()
     result.fell_back = bool(routing_state().isolated - isolated_before)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .models import TinyCausalLM, TinyConfig, build_model
 from .wrappers import missing_package
@@ -57,10 +58,16 @@ def _ce_batch(config: TinyConfig, generator: torch.Generator, rows: int) -> Batc
     return {"input_ids": ids, "labels": torch.roll(ids, -1, dims=1)}
 
 
+def fused_cross_entropy(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The fused-loss pattern, the one definition the check, the tests and the benchmarks share: the tiny LM's
+    hidden states times ``lm_head.weight`` read directly (the weight, not the module), then cross-entropy."""
+    head: Any = model.lm_head
+    logits = model(input_ids) @ head.weight.t()
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
 def _fused_ce(model: TinyCausalLM, batch: Batch, extras: dict[str, Any]) -> torch.Tensor:
-    hidden = model(batch["input_ids"])
-    logits = hidden @ model.lm_head.weight.t()  # the weight, not the module: the fused-loss pattern
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+    return fused_cross_entropy(model, batch["input_ids"], batch["labels"])
 
 
 def _backbone_ce(model: TinyCausalLM, batch: Batch, extras: dict[str, Any]) -> torch.Tensor:

@@ -143,14 +143,17 @@ def _reward(completions: list[str], completion_ids: list[list[int]] | None = Non
     return [float(sum(ids) % 7) for ids in rows]
 
 
-def _setup(trainer_name: str, folder: str) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+def _setup(trainer_name: str, folder: str, layout: str) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """(rows, extra config arguments, extra trainer arguments) for one trainer's step."""
     from transformers import AutoModelForCausalLM
 
+    # Some releases refuse to copy the policy into a reference model under ZeRO-3 ("not compatible with
+    # create_reference_model()"): there it is given, as they ask, with the same weights.
+    ref = {"ref_model": AutoModelForCausalLM.from_pretrained(folder)} if layout == "zero3" else {}
     if trainer_name == "dpo":
-        return preference_rows(8), {}, {}
+        return preference_rows(8), {}, ref
     if trainer_name == "kto":
-        return _kto_rows(8), {}, {}
+        return _kto_rows(8), {}, ref
     if trainer_name == "grpo":
         config = {"num_generations": 2, "max_completion_length": 4, "beta": 0.0}
         return _prompt_rows(8), config, {"reward_funcs": _reward}
@@ -217,7 +220,7 @@ def trl_step(trainer_name: str, variant: str, folder: str, layout: str = "ddp") 
         config_cls, trainer_cls = getattr(module, config_name), getattr(module, trainer_class)
         _fill_model_folder(folder)
         with tempfile.TemporaryDirectory() as out, under(layout, probe):
-            rows, config, extra = _setup(trainer_name, folder)
+            rows, config, extra = _setup(trainer_name, folder, layout)
             common = {"use_liger_kernel": True, "liger_kernel_config": NO_TRITON, "remove_unused_columns": False}
             trainer: Any = trainer_cls(
                 model=AutoModelForCausalLM.from_pretrained(folder),

@@ -1,84 +1,15 @@
-"""Rank-side functions for the DeepSpeed, accelerate and layer tests (module level: the pool pickles them by
-reference). Each runs on every rank of the pool and returns plain data for the test to assert on."""
+"""Rank bodies for tests/test_accelerate.py (module level: the pool pickles them by reference). Each runs on
+every rank of the pool and returns plain data for the test to assert on."""
 
 from __future__ import annotations
 
-import functools
-import time
 from typing import Any
-from unittest import mock
 
 import torch
 from torch import nn
 
 from wrapperroute import detect, route_loss
-from wrapperroute.check import cell as cell_module
-from wrapperroute.check.cell import Cell, run_cell
 from wrapperroute.check.models import TinyConfig, build_model
-
-
-def run_cell_gathering(cell: Cell) -> dict[str, Any]:
-    """``run_cell`` with ``gather=[unwrapped.lm_head]`` passed to every route_loss call."""
-
-    def gathering(model: nn.Module, unwrapped: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return route_loss(model, unwrapped, fn, *args, gather=[unwrapped.lm_head], **kwargs)
-
-    with mock.patch.object(cell_module, "route_loss", gathering):
-        return run_cell(cell)
-
-
-def time_zero3_gathering(steps: int, gather: bool) -> float:
-    """Seconds per routed fused-CE step under ZeRO-3 (persistence 0, vocab 8192 so the head is sizeable)."""
-    from wrapperroute.check.losses import LOSSES, make_batch
-    from wrapperroute.check.wrap_deepspeed import build_zero
-
-    config = TinyConfig(vocab=8192, hidden=256, layers=1)
-    wrapped = build_zero(build_model(config), {"stage": 3, "zero": {"stage3_param_persistence_threshold": 0}})
-    case = LOSSES["fused_ce"]
-    inner: Any = wrapped.inner
-    route = functools.partial(route_loss, gather=[inner.lm_head]) if gather else route_loss
-    start = 0.0
-    for step in range(steps + 1):
-        if step == 1:
-            start = time.perf_counter()  # step 0 warms up (trace recording, first gathers)
-        batch = make_batch(case, config, torch.distributed.get_rank(), step, 0)
-        loss = route(wrapped.model, inner, case.compute, inner, batch, {})
-        wrapped.backward(loss)
-        wrapped.step()
-    return (time.perf_counter() - start) / steps
-
-
-def zero_detection(stage: int) -> dict[str, Any]:
-    from wrapperroute.check.wrap_deepspeed import build_zero
-
-    wrapped = build_zero(build_model(TinyConfig()), {"stage": stage, "gradient_accumulation_steps": 2})
-    found = detect(wrapped.model)
-    compiled = detect(torch.compile(wrapped.model))  # type: ignore[arg-type]
-    return {
-        "kind": found.kind,
-        "chain": found.chain,
-        "details": found.details,
-        "inner_ok": found.inner is wrapped.inner,
-        "compiled_chain": compiled.chain,
-        "compiled_wrapper_ok": compiled.wrapper is wrapped.model,
-    }
-
-
-def zero3_bad_gather() -> str:
-    """gather= naming a module that is not in the engine's model: a clear RouteValueError."""
-    from wrapperroute.check.wrap_deepspeed import build_zero
-    from wrapperroute.errors import RouteValueError
-
-    wrapped = build_zero(build_model(TinyConfig()), {"stage": 3})
-    stranger = nn.Linear(2, 2)
-    try:
-        route_loss(wrapped.model, wrapped.inner, lambda: torch.zeros(()), gather=[stranger])
-    except RouteValueError as error:
-        return str(error)
-    return "no error"
-
-
-# --- accelerate --------------------------------------------------------------------------------------------
 
 
 def _fresh_accelerator(**kwargs: Any) -> Any:
@@ -100,7 +31,7 @@ def accelerate_gradient_truth(plugin: str, steps: int = 2) -> dict[str, Any]:
     compared across ranks and with a single process on the global batch, as in check/cell.py."""
     import torch.distributed as dist
 
-    from wrapperroute.check.cell import _compare_across_ranks, _max_diff
+    from wrapperroute.check.cell import differing_across_ranks, max_grad_diff
     from wrapperroute.check.losses import LOSSES, make_batch
     from wrapperroute.check.wrappers import build_none
 
@@ -131,11 +62,11 @@ def accelerate_gradient_truth(plugin: str, steps: int = 2) -> dict[str, Any]:
             grads = {n: safe_get_full_grad(p).detach().clone() for n, p in unwrapped.named_parameters()}
         else:
             grads = {n: p.grad.detach().clone() for n, p in unwrapped.named_parameters()}
-        differ, _ = _compare_across_ranks(grads)
+        differ, _ = differing_across_ranks(grads)
         global_batch = case.concat([make_batch(case, config, r, step, 0) for r in range(world)])
         case.compute(reference.model, global_batch, {}).backward()  # type: ignore[arg-type]
         out["differ"] = max(out["differ"], differ)
-        out["max_ref_diff"] = max(out["max_ref_diff"], _max_diff(grads, reference.full_grads()))
+        out["max_ref_diff"] = max(out["max_ref_diff"], max_grad_diff(grads, reference.full_grads()))
         out["params"] = len(grads)
         optimizer.step()
         optimizer.zero_grad()
@@ -192,7 +123,7 @@ def accelerate_accumulate_no_sync() -> dict[str, Any]:
     prepared = accelerator.prepare(build_model(config))
     unwrapped = accelerator.unwrap_model(prepared)
     rank = torch.distributed.get_rank()
-    from wrapperroute.check.cell import _compare_across_ranks
+    from wrapperroute.check.cell import differing_across_ranks
 
     differs = []
     for micro in range(2):
@@ -201,44 +132,5 @@ def accelerate_accumulate_no_sync() -> dict[str, Any]:
             loss = route_loss(prepared, unwrapped, case.compute, unwrapped, batch, {})
             accelerator.backward(loss)
         grads = {n: p.grad for n, p in unwrapped.named_parameters() if p.grad is not None}
-        differs.append(_compare_across_ranks(grads)[0])
+        differs.append(differing_across_ranks(grads)[0])
     return {"differ_per_micro": differs, "params": len(list(unwrapped.parameters()))}
-
-
-# --- layers: compile / DDP / PEFT in the orders that occur -------------------------------------------------
-
-
-def _fused_ce_on(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    from wrapperroute.check.losses import LOSSES
-
-    return LOSSES["fused_ce"].compute(model, batch, {})  # type: ignore[arg-type]
-
-
-def layered_route(order: str, routed: bool) -> dict[str, Any]:
-    """Wrap the tiny model in LoRA (PEFT), DDP and torch.compile in ``order``; route a fused CE with
-    ``unwrapped=None`` and report the detected chain and how many trainable gradients differ across ranks."""
-    from peft import LoraConfig, get_peft_model
-    from torch.nn.parallel import DistributedDataParallel
-
-    from wrapperroute.check.cell import _compare_across_ranks
-    from wrapperroute.check.losses import LOSSES, make_batch
-
-    config = TinyConfig()
-    base = build_model(config)
-    model: nn.Module = base
-    for layer in order.split(","):
-        if layer == "peft":
-            model = get_peft_model(model, LoraConfig(r=4, target_modules=["proj"], init_lora_weights=False))
-        elif layer == "ddp":
-            model = DistributedDataParallel(model)
-        elif layer == "compile":
-            model = torch.compile(model)  # type: ignore[assignment]
-    found = detect(model)
-    inner = found.inner
-    batch = make_batch(LOSSES["fused_ce"], config, torch.distributed.get_rank(), 0, 0)
-    loss = route_loss(model, None, _fused_ce_on, inner, batch) if routed else _fused_ce_on(inner, batch)
-    loss.backward()
-    grads = {n: p.grad for n, p in inner.named_parameters() if p.grad is not None}
-    differ, worst = _compare_across_ranks(grads)
-    return {"chain": found.chain, "kind": found.kind, "inner_is_base": inner is base, "params": len(grads),
-            "differ": differ, "max_rank_diff": worst}

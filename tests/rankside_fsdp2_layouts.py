@@ -1,4 +1,4 @@
-"""Rank-side bodies of tests/test_fsdp2_layouts.py (module level: the pool pickles them by reference)."""
+"""Rank bodies for tests/test_fsdp2_layouts.py (module level: the pool pickles them by reference)."""
 
 from __future__ import annotations
 

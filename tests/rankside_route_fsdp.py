@@ -1,4 +1,4 @@
-"""Rank-side checks for the FSDP tests."""
+"""Rank bodies for tests/test_route_fsdp.py (module level: the pool pickles them by reference)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from wrapperroute import detect, route_loss
-from wrapperroute.check.cell import Cell, _compare_across_ranks, run_cell
+from wrapperroute.check.cell import Cell, differing_across_ranks, run_cell
 from wrapperroute.check.losses import LOSSES, make_batch
 from wrapperroute.check.models import TinyConfig, build_model
 from wrapperroute.check.wrappers import WRAPPERS
@@ -87,7 +87,7 @@ def reentrant(wrapper: str, opts: dict[str, Any]) -> dict[str, Any]:
 
     route_loss(wrapped.model, wrapped.inner, outer).backward()
     grads = wrapped.full_grads()
-    differ, _ = _compare_across_ranks(grads)
+    differ, _ = differing_across_ranks(grads)
     case.compute(reference, case.concat(batches), {}).backward()
     ref = {n: p.grad for n, p in reference.named_parameters()}
     worst = max(float((grads[n] - ref[n]).abs().max()) for n in ref)

@@ -1,4 +1,4 @@
-"""Rank-side checks for check_grad_sync and guard."""
+"""Rank bodies for tests/test_diagnostics.py: check_grad_sync and guard on real ranks."""
 
 from __future__ import annotations
 

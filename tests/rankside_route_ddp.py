@@ -1,4 +1,4 @@
-"""Rank-side checks for the DDP tests: module-level so the pool can pickle them by reference."""
+"""Rank bodies for tests/test_route_ddp.py (module level: the pool pickles them by reference)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from wrapperroute import route_loss
-from wrapperroute.check.cell import Cell, _compare_across_ranks, run_cell
+from wrapperroute.check.cell import Cell, differing_across_ranks, run_cell
+from wrapperroute.check.losses import fused_cross_entropy
 from wrapperroute.check.models import TinyCausalLM, TinyConfig, build_model
 
 CONFIG = TinyConfig()
@@ -22,11 +22,6 @@ def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, CONFIG.vocab, (2, CONFIG.seq), generator=generator)
     return ids, torch.roll(ids, -1, 1)
-
-
-def _loss(model: TinyCausalLM, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = model(ids) @ model.lm_head.weight.t()
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
 def _grads(model: TinyCausalLM) -> dict[str, torch.Tensor]:
@@ -39,10 +34,10 @@ def no_sync_skips_allreduce() -> dict[str, Any]:
     ddp = DDP(model)
     ids, labels = _batch(dist.get_rank())
     with ddp.no_sync():
-        route_loss(ddp, model, _loss, model, ids, labels).backward()
-    differ_inside, _ = _compare_across_ranks(_grads(model))
-    route_loss(ddp, model, _loss, model, ids, labels).backward()
-    differ_after, _ = _compare_across_ranks(_grads(model))
+        route_loss(ddp, model, fused_cross_entropy, model, ids, labels).backward()
+    differ_inside, _ = differing_across_ranks(_grads(model))
+    route_loss(ddp, model, fused_cross_entropy, model, ids, labels).backward()
+    differ_after, _ = differing_across_ranks(_grads(model))
     return {"differ_inside": differ_inside, "differ_after": differ_after, "params": len(_grads(model))}
 
 
@@ -71,10 +66,10 @@ def nested_runs_once() -> dict[str, Any]:
     ids, labels = _batch(dist.get_rank())
 
     def outer() -> torch.Tensor:
-        return route_loss(ddp, model, _loss, model, ids, labels) * 1.0
+        return route_loss(ddp, model, fused_cross_entropy, model, ids, labels) * 1.0
 
     route_loss(ddp, model, outer).backward()
-    differ, _ = _compare_across_ranks(_grads(model))
+    differ, _ = differing_across_ranks(_grads(model))
     return {"forward_calls": len(calls), "differ": differ, "forward_left": "forward" in model.__dict__}
 
 
@@ -93,13 +88,13 @@ def pytree_outputs(find_unused: bool) -> dict[str, Any]:
     ids, labels = _batch(dist.get_rank())
 
     def as_tuple() -> tuple[torch.Tensor, int]:
-        return _loss(model, ids, labels), 7
+        return fused_cross_entropy(model, ids, labels), 7
 
     def as_dict() -> dict[str, Any]:
-        return {"loss": _loss(model, ids, labels), "tag": "x"}
+        return {"loss": fused_cross_entropy(model, ids, labels), "tag": "x"}
 
     def as_dataclass() -> LossOutput:
-        loss = _loss(model, ids, labels)
+        loss = fused_cross_entropy(model, ids, labels)
         return LossOutput(loss, loss.detach() * 0, "dc")
 
     shapes = {}
@@ -108,19 +103,19 @@ def pytree_outputs(find_unused: bool) -> dict[str, Any]:
         loss = out[0] if name == "tuple" else out["loss"] if name == "dict" else out.loss
         loss.backward()
         shapes[name] = type(out).__name__
-        differ, _ = _compare_across_ranks(_grads(model))
+        differ, _ = differing_across_ranks(_grads(model))
         results[name] = differ
         model.zero_grad(set_to_none=True)
     try:
         from transformers.modeling_outputs import CausalLMOutput
 
         def as_model_output() -> CausalLMOutput:
-            return CausalLMOutput(loss=_loss(model, ids, labels))
+            return CausalLMOutput(loss=fused_cross_entropy(model, ids, labels))
 
         out = route_loss(ddp, model, as_model_output)
         out.loss.backward()
         shapes["model_output"] = type(out).__name__
-        results["model_output"] = _compare_across_ranks(_grads(model))[0]
+        results["model_output"] = differing_across_ranks(_grads(model))[0]
     except ImportError:
         pass
     return {"differ": results, "types": shapes}
@@ -168,7 +163,7 @@ class _Held(torch.nn.Module):
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         self.entered.set()
         self.release.wait(30)
-        return _loss(self.inner, ids, labels)  # type: ignore[arg-type]
+        return fused_cross_entropy(self.inner, ids, labels)
 
 
 def stale_ddp_marker() -> dict[str, Any]:
@@ -201,10 +196,10 @@ def stale_ddp_marker() -> dict[str, Any]:
 
     def fn() -> torch.Tensor:
         entered.append("forward" in held.module.__dict__)  # our dispatch is installed only inside DDP's forward
-        return _loss(model, ids, labels)
+        return fused_cross_entropy(model, ids, labels)
 
     route_loss(held, held.module, fn).backward()
-    differ, _ = _compare_across_ranks(_grads(model))
+    differ, _ = differing_across_ranks(_grads(model))
     return {"stale_before": stale, "routed": entered == [True], "differ": differ, "marker_left": _marker_left()}
 
 
@@ -218,8 +213,8 @@ def compiled_layers() -> dict[str, Any]:
         target = wrapped.module if isinstance(wrapped, DDP) else wrapped._orig_mod.module
         forward_before = target.__dict__.get("forward")
         ids, labels = _batch(dist.get_rank())
-        route_loss(wrapped, model, _loss, model, ids, labels).backward()
-        differ, _ = _compare_across_ranks(_grads(model))
+        route_loss(wrapped, model, fused_cross_entropy, model, ids, labels).backward()
+        differ, _ = differing_across_ranks(_grads(model))
         out[layout] = {
             "differ": differ,
             "forward_restored": target.__dict__.get("forward") is forward_before,
@@ -263,7 +258,7 @@ def token_replaced_by_wrapper() -> dict[str, Any]:
         ddp.swallow = swallow
         try:
             with torch.no_grad():
-                route_loss(ddp, model, _loss, model, ids, labels)
+                route_loss(ddp, model, fused_cross_entropy, model, ids, labels)
             out[f"swallow={swallow}"] = ("returned", "")
         except Exception as error:
             note = " ".join(getattr(error, "__notes__", []))
