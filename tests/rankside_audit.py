@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wrapperroute.audit.replicas import Replica, compare
+from wrapperroute.audit.replicas import Replica, SignatureExchange, compare
 
 
 def compare_replicas(differ_at: str | None, extra_on_rank: int | None) -> dict[str, Any]:
@@ -27,3 +27,40 @@ def compare_replicas(differ_at: str | None, extra_on_rank: int | None) -> dict[s
     compared, differences = compare(found, side, {id(p) for p in params.values()}, params=True)
     dist.destroy_process_group(side)
     return {"compared": compared, "differences": [(d.key, d.what, d.max_abs_diff) for d in differences]}
+
+
+def collectives_per_comparison(rounds: int) -> dict[str, Any]:
+    """The same comparison ``rounds`` times with one exchange (as an audited run does), then once with the
+    rows changed on rank 1: the collectives each call ran, and what each found."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    params = {name: torch.nn.Parameter(torch.randn(16, 4)) for name in ("a", "b", "c")}
+    for param in params.values():
+        param.grad = torch.randn_like(param)
+    side = dist.new_group(backend="gloo")
+    exchange = SignatureExchange()
+    counted = {"calls": 0}
+    gather, gather_object = dist.all_gather, dist.all_gather_object
+
+    def counting(original: Any) -> Any:
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            counted["calls"] += 1
+            return original(*args, **kwargs)
+
+        return collective
+
+    dist.all_gather, dist.all_gather_object = counting(gather), counting(gather_object)  # type: ignore[assignment]
+    calls, found = [], []
+    try:
+        for round_ in range(rounds + 1):
+            names = ["a", "b", "c"] if round_ < rounds or rank == 0 else ["a", "b"]
+            replicas = [Replica(f"ddp[0].{n}", "ddp", params[n], (), True) for n in names]
+            before = counted["calls"]
+            _, differences = compare(replicas, side, {id(p) for p in params.values()}, params=False,
+                                     exchange=exchange)  # fmt: skip
+            calls.append(counted["calls"] - before)
+            found.append(len(differences))
+    finally:
+        dist.all_gather, dist.all_gather_object = gather, gather_object  # type: ignore[assignment]
+        dist.destroy_process_group(side)
+    return {"calls": calls, "found": found}

@@ -234,3 +234,14 @@ def test_compare_finds_the_one_differing_gradient(pool: RankPool, extra_on_rank:
                 assert found == expected, result
             else:  # the key only rank 1 holds has no copy to be compared with
                 assert found == expected, result
+
+
+def test_repeated_comparison_costs_one_collective(pool: RankPool) -> None:
+    """An audited run compares the same rows step after step: after the first comparison (two collectives:
+    agree on the rows, then their signatures), one collective each. Rows that change on one rank are still
+    compared, by the rows themselves."""
+    import rankside_audit
+
+    for rank in pool.run(rankside_audit.collectives_per_comparison, 3):
+        assert rank["calls"] == [2, 1, 1, 2], rank  # the last: counts differ, so the rows themselves, pickled
+        assert rank["found"] == [0, 0, 0, 0], rank

@@ -76,8 +76,8 @@ class _Plan:
 
     __slots__ = (
         "adapter",
+        "callee_ref",
         "checked",
-        "entry_ref",
         "inner_ref",
         "inner_type",
         "kind",
@@ -86,6 +86,7 @@ class _Plan:
         "model_type",
         "nothing_inside",
         "picks_units",
+        "plain",
         "repairs",
         "result_check",
         "state",
@@ -108,18 +109,20 @@ class _Plan:
             # through that layer alone.
             wrapper, adapter = found.entry, found.entry_adapter
         self.wrapper_ref: Callable[[], nn.Module | None] = _no_wrapper
-        self.entry_ref: weakref.ref[nn.Module] | None = None  # called instead of the wrapper, if set
-        if found.entry is not None and found.entry is not wrapper:
-            self.entry_ref = weakref.ref(found.entry)
+        # What route_loss calls: the wrapper, or the layer entered around it (Fabric's module).
+        self.callee_ref: Callable[[], nn.Module | None] = _no_wrapper
         self.adapter = adapter
         self.target_ref: Callable[[], nn.Module | None] = _no_wrapper
         self.state: _Swap | None = None
         self.nothing_inside = self.picks_units = self.repairs = False
+        self.plain = False  # nothing to route through, and already spoken of: route_loss calls fn (see _new_plan)
         self.result_check: Callable[[nn.Module, Any], None] | None = None
         if wrapper is not None and adapter is not None:
             # nn.Module attribute lookups of submodules (``ddp.module``) cost a microsecond: once per model.
             target = adapter.redirect_target(wrapper)
             self.wrapper_ref, self.target_ref = weakref.ref(wrapper), weakref.ref(target)
+            entry = found.entry if found.entry is not None and found.entry is not wrapper else None
+            self.callee_ref = weakref.ref(entry) if entry is not None else self.wrapper_ref
             self.state = _swap_for(target)
             # The adapter's fast-path facts, read once: DDP's every step skips both.
             self.picks_units = adapter.picks_units
@@ -148,14 +151,8 @@ class _Plan:
 _plans: dict[int, _Plan] = {}
 
 
-# id -> class of the planned models with nothing to route through (and already spoken of): route_loss's fast
-# path, one dict lookup. A class change (fully_shard after a first call) misses it and plans again.
-_plain_models: dict[int, type] = {}
-
-
 def _forget(key: int) -> None:
     _plans.pop(key, None)
-    _plain_models.pop(key, None)
 
 
 def _new_plan(model: nn.Module) -> _Plan:
@@ -166,6 +163,7 @@ def _new_plan(model: nn.Module) -> _Plan:
     if key not in _plans:
         weakref.finalize(model, _forget, key)
     _plans[key] = plan
-    if plan.state is None and type(model) in plain_types:
-        _plain_models[key] = type(model)
+    # route_loss's fast path for such a model: its plan, found by one lookup, says so. A class change
+    # (fully_shard after a first call) misses the plan's class and plans again.
+    plan.plain = plan.state is None and type(model) in plain_types
     return plan

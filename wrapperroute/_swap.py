@@ -97,8 +97,8 @@ def _run_inside(call: _Token, kept: Callable[[], contextlib.AbstractContextManag
             if nested:  # a shard unit the loss reads from: enter its forward too
                 unit = nested[0]
                 rest = call.extra._replace(nested=nested[1:])
-                return _enter_wrapper(unit, adapter, None, None, _Token(unit, call.fn, call.args, call.kwargs, rest,
-                                                                        call.result_check))  # fmt: skip
+                token = _Token(unit, call.fn, call.args, call.kwargs, rest, call.result_check)
+                return _enter_wrapper(unit, adapter, None, None, token, unit)
             return call.fn(*call.args, **call.kwargs)
 
 
@@ -249,10 +249,11 @@ def _enter_wrapper(
     target: nn.Module | None,
     state: _Swap | None,
     call: _Token,
-    entry: nn.Module | None = None,
+    callee: nn.Module | None,
 ) -> Any:
-    """Call ``entry`` (else ``wrapper``) with ``call``, the token whose loss runs in ``target``'s swapped
-    forward (``target``/``state`` None: a nested shard unit, looked up here)."""
+    """Call ``callee`` (the wrapper, or a layer entered around it; None: gone with its model, the wrapper) with
+    ``call``, the token whose loss runs in ``target``'s swapped forward (``target``/``state`` None: a nested
+    shard unit, looked up here)."""
     if target is None or state is None:  # a nested shard unit: looked up per call (FSDP1, not the hot path)
         target = adapter.redirect_target(wrapper)
         state = _swap_for(target)
@@ -283,7 +284,7 @@ def _enter_wrapper(
             state.count += 1
             state.grad_calls += grad
             entered = True
-        result = (wrapper if entry is None else entry)(call)
+        result = (wrapper if callee is None else callee)(call)
     except BaseException as error:
         if entered and not call.ran:  # the wrapper's own error, or a mangled token
             _add_note(

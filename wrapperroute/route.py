@@ -19,7 +19,7 @@ from torch import nn
 
 from ._fallback import _fallback_key, _is_graph_optimizer_failure, _isolated_losses, _saved_tensor_hooks_enabled
 from ._faults import _agree, _recover
-from ._plan import _as_gather, _new_plan, _plain_models, _plans
+from ._plan import _as_gather, _new_plan, _plans
 from ._swap import _enter_wrapper, _Inside, _RefusedError, _thread, _Token
 from .errors import RouteStateError, RouteTypeError, RouteValueError
 
@@ -88,12 +88,13 @@ def route_loss(
         )
     if mode != "auto" and mode not in MODES:
         raise RouteValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if gather is None and _plain_models.get(id(model)) is type(model) and (unwrapped is None or unwrapped is model):
-        return fn(*args, **kwargs)  # a plain module already planned (and spoken of): nothing to route through
     plan = _plans.get(id(model))
     # The step's common case: a plan for this model (dropped with it) whose class and wrapper are unchanged.
     wrapper = plan.wrapper_ref() if plan is not None and plan.model_type is type(model) else None
     if wrapper is None or plan is None:  # a first call, a changed model, or a model with no distributed wrapper
+        if (plan is not None and plan.plain and plan.model_type is type(model) and gather is None
+                and (unwrapped is None or unwrapped is model)):  # fmt: skip
+            return fn(*args, **kwargs)  # a plain module already planned (and spoken of): nothing to route through
         if plan is None or not plan.current(model):
             plan = _new_plan(model)
         wrapper = plan.wrapper_ref()
@@ -139,11 +140,11 @@ def route_loss(
     inside = None if plan.nothing_inside and not (isolate or modules or nested) else _Inside(adapter, isolate, modules,
                                                                                              nested)  # fmt: skip
     target = plan.target_ref()
-    entry = None if plan.entry_ref is None else plan.entry_ref()  # Fabric's module, called around the wrapper
+    callee = plan.callee_ref()  # the wrapper, or Fabric's module entered around it
     hooks_enabled = _saved_tensor_hooks_enabled()
     try:
         call = _Token(wrapper, fn, args, kwargs, inside, plan.result_check)
-        return _enter_wrapper(wrapper, adapter, target, state, call, entry)
+        return _enter_wrapper(wrapper, adapter, target, state, call, callee)
     except _RefusedError:
         raise  # nothing was entered; the wrapper belongs to the thread inside it: leave it alone
     except BaseException as error:  # KeyboardInterrupt too: a notebook user may go on training
@@ -169,7 +170,7 @@ def route_loss(
     )
     try:
         call = _Token(wrapper, fn, args, kwargs, _Inside(adapter, True, modules, nested), plan.result_check)
-        return _enter_wrapper(wrapper, adapter, target, state, call, entry)
+        return _enter_wrapper(wrapper, adapter, target, state, call, callee)
     except BaseException:
         _recover(adapter, wrapper)
         raise

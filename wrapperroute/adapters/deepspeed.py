@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from deepspeed import DeepSpeedEngine
@@ -96,14 +96,25 @@ class DeepSpeedAdapter(Adapter):
 
     @contextlib.contextmanager
     def read_whole(self, wrapper: nn.Module) -> Iterator[None]:
-        # Submodules gather their own parameters when called; only a direct read (the head) needs a gather.
+        # Submodules gather their own parameters when called; only a direct read (the head) needs a gather. A
+        # forward of the whole model while the loss runs (a KL term computed with the reference model) would
+        # release the head after calling it, as a normal forward does: the head is marked in use until the end.
         engine: DeepSpeedEngine = wrapper
         head = output_embedding(engine.module)
-        if _stage(engine) != 3 or head is None:
+        params = _partitioned(head.parameters() if head is not None and _stage(engine) == 3 else ())
+        if not params:
             yield
             return
-        with _gathered(engine, (head,), track=False):
-            yield
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            for param in params:
+                param.ds_active_sub_modules.add(_READING)
+            try:
+                yield
+            finally:  # before the gather's exit, which refuses to release a parameter still in use
+                for param in params:
+                    param.ds_active_sub_modules.discard(_READING)
 
     @contextlib.contextmanager
     def inside(self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]) -> Iterator[None]:
@@ -156,25 +167,30 @@ def _drop_kept_epilogue(engine: DeepSpeedEngine, epilogue: Callable[[], None] | 
     del _kept_epilogues[engine]  # last: until the epilogue is off, recover() must still find it
 
 
-@contextlib.contextmanager
-def _gathered(engine: DeepSpeedEngine, gather: tuple[nn.Module, ...], track: bool = True) -> Iterator[None]:
-    """``gather``'s partitioned parameters whole; ``track``: inside the engine's forward, registered with its
-    root so backward gathers them again and reduce-scatters their gradients (outside it: read only)."""
+# A submodule id no module has (DeepSpeed numbers them from 0): marks a head in use by read_whole.
+_READING = -1
+
+
+def _partitioned(params: Iterable[Any]) -> list[Any]:
+    """The partitioned ones, once each. One already whole (persistent, or gathered by a running submodule) is
+    left out: partitioning it at the end would pull it from under its owner."""
     seen: set[int] = set()
-    params = []
-    for module in gather:
-        for param in module.parameters():
-            # Already whole (persistent, or gathered by a running submodule): partitioning it on exit would
-            # pull it from under its owner.
-            if id(param) in seen or getattr(param, "ds_status", None) != ZeroParamStatus.NOT_AVAILABLE:
-                continue
+    found = []
+    for param in params:
+        if id(param) not in seen and getattr(param, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE:
             seen.add(id(param))
-            params.append(param)
+            found.append(param)
+    return found
+
+
+@contextlib.contextmanager
+def _gathered(engine: DeepSpeedEngine, gather: tuple[nn.Module, ...]) -> Iterator[None]:
+    params = _partitioned(param for module in gather for param in module.parameters())
     if not params:
         yield
         return
     import deepspeed
 
     # fwd_module: the root's backward hooks gather these again for backward and reduce-scatter their grads.
-    with deepspeed.zero.GatheredParameters(params, fwd_module=engine.module if track else None):
+    with deepspeed.zero.GatheredParameters(params, fwd_module=engine.module):
         yield
