@@ -115,3 +115,42 @@ def test_trl_verdict_needs_a_gradient_and_the_reference() -> None:
     assert trl_verdict({**row, "variant": "unpatched", "ref_diff": 2e-3}) == "wrong"
     assert trl_verdict({**row, "variant": "unpatched", "differ": 3, "max_diff": 0.1}) == "desync"
     assert trl_verdict({**row, "error": "Traceback ..."}) == "FAIL"
+
+
+@pytest.mark.skipif(
+    not all(importlib.util.find_spec(name) for name in ("trl", "liger_kernel", "datasets")),
+    reason="trl, liger-kernel and datasets are not installed",
+)
+def test_check_trl_prints_the_table_and_exits_0() -> None:
+    """On the installed TRL: the table, the reference column, and exit 0 when every patched cell is exact."""
+    done = _cli("check", "--trl", "--trainers", "dpo", "--wrappers", "ddp")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("dpo ")]
+    assert [row[:3] for row in rows] == [["dpo", "DDP", "unpatched"], ["dpo", "DDP", "patched"]], done.stdout
+    assert rows[1][-1] == "exact" and "every patched cell exact" in done.stdout, done.stdout
+
+
+def test_check_trl_without_trl_or_liger_path_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No TRL: a one-line usage error (exit 2). A TRL with no trainer that has a Liger path: one line, exit 0."""
+    from wrapperroute.check import trl_report
+    from wrapperroute.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else find_spec(name, *a))
+    assert main(["check", "--trl"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "wrapperroute: error: --trl checks the installed TRL, and TRL is not installed (pip install wrapperroute[trl])"
+    ], err
+    present = ("trl", "liger_kernel", "datasets")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in present else None)
+    gone = "wrapperroute: TRL 0.0.1 has no DPOTrainer: not checked"
+    monkeypatch.setattr(trl_report, "liger_trainers", lambda: ("0.0.1", [], [gone]))
+    assert main(["check", "--trl", "--wrappers", "ddp"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == (
+        "wrapperroute check --trl: TRL 0.0.1 has no trainer with a Liger path to check: nothing checked"
+    ), out
+    assert err.strip() == gone
