@@ -71,11 +71,10 @@ class FSDP2Adapter(Adapter):
         state = wrapper._get_fsdp_state()  # type: ignore[operator]
         ctx = state._state_ctx
         for each in ctx.all_states:  # older torch: the same by hand, without collectives
-            for group in each._fsdp_param_groups if hasattr(each, "_fsdp_param_groups") else [each._fsdp_param_group]:
-                if group is not None:
-                    group._training_state = type(group._training_state).IDLE
-                    group._post_forward_indices.clear()
-                    group.reshard()
+            for group in _param_groups(each):
+                group._training_state = type(group._training_state).IDLE
+                group._post_forward_indices.clear()
+                group.reshard()
             each._training_state = type(each._training_state).IDLE
         # The backward prefetches groups in the recorded post-forward order, cleared only by a completed
         # backward: a rank whose failed forward recorded a different order would prefetch other groups than
@@ -93,10 +92,8 @@ class FSDP2Adapter(Adapter):
         # parameters: a root that keeps them unsharded after its forward holds plain tensors then.
         state = wrapper._get_fsdp_state()  # type: ignore[operator]
         for each in state._state_ctx.all_states:
-            groups = getattr(each, "_fsdp_param_groups", None)
-            for group in groups if groups is not None else [each._fsdp_param_group]:
-                if group is not None:
-                    return tuple(sorted(group.mesh_info.mesh.mesh.flatten().tolist()))
+            for group in _param_groups(each):
+                return tuple(sorted(group.mesh_info.mesh.mesh.flatten().tolist()))
         return None
 
     def inside(
@@ -107,16 +104,34 @@ class FSDP2Adapter(Adapter):
     @contextlib.contextmanager
     def read_whole(self, wrapper: nn.Module) -> Iterator[None]:
         # The root's group and the output embedding's unit: a backbone called as a submodule unshards its
-        # layers' groups itself, but reads the root's parameters (the token embedding) as they are.
+        # layers' groups itself, but reads the root's parameters (the token embedding) as they are. A forward
+        # of the whole model while the loss runs (a KL term computed with the reference model) would reshard
+        # them after it, as a normal forward does: until the end they are held with resharding after forward
+        # off (what set_reshard_after_forward(False) sets), then put back as they were and resharded.
         wrapper._get_fsdp_state()._lazy_init()  # type: ignore[operator]  # as its forward would: root first
         units = (wrapper, *self.nested_units(wrapper, ()))
+        groups = [group for unit in units for group in _param_groups(unit._get_fsdp_state())]  # type: ignore[operator]
+        saved = [group.post_forward_mesh_info for group in groups]
         for unit in units:
             unit.unshard()  # type: ignore[operator]
+        for group in groups:
+            group.post_forward_mesh_info = None
         try:
             yield
         finally:
+            for group, info in zip(groups, saved, strict=True):
+                group.post_forward_mesh_info = info
             for unit in units:
                 unit.reshard()  # type: ignore[operator]
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: a list since torch 2.6, one optional group before."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
 
 
 def _replicates(module: nn.Module) -> bool:
