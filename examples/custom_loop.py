@@ -17,9 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from wrapperroute.check.cell import _compare_across_ranks
+from wrapperroute import check_grad_sync, route_loss
 from wrapperroute.check.models import TinyCausalLM, TinyConfig, build_model
-from wrapperroute.route import route_loss
 
 
 def fused_loss(model: TinyCausalLM, ids: torch.Tensor) -> torch.Tensor:
@@ -43,8 +42,7 @@ def train(routed: bool, steps: int = 3) -> list[int]:
         else:
             loss = fused_loss(model, ids)  # DDP.forward never runs: every rank keeps its own gradients
         loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        differing.append(_compare_across_ranks(grads)[0])
+        differing.append(check_grad_sync(ddp).differing)  # every gradient compared across ranks
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return differing
