@@ -49,6 +49,26 @@ def test_wrappers_on_one_rank(one_rank: None) -> None:
     assert (fsdp2.kind, fsdp2.chain, fsdp2.details["nested_groups"]) == ("fsdp2", ("fsdp2", "module"), 1)
 
 
+def test_read_whole_on_one_rank(one_rank: None) -> None:
+    """A frozen model read outside its forward: replicated wrappers hold its weights whole already (nothing
+    entered); FSDP2 holds the root's group whole; FSDP1 says that it does not, instead of passing over it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+    ddp = detect(DDP(build_model(TinyConfig())))
+    with ddp.adapter.read_whole(ddp.wrapper):  # type: ignore[union-attr,arg-type]
+        pass
+    sharded = build_model(TinyConfig())
+    fully_shard(sharded)
+    fsdp2 = detect(sharded)
+    with fsdp2.adapter.read_whole(sharded):  # type: ignore[union-attr]
+        assert type(sharded.embed.weight) is nn.Parameter  # unsharded: the plain parameter, not a DTensor
+        assert sharded.embed(torch.zeros(1, 2, dtype=torch.long)).shape == (1, 2, TinyConfig().hidden)
+    assert type(sharded.embed.weight).__name__ == "DTensor"  # resharded on the way out
+    fsdp1 = detect(FullyShardedDataParallel(build_model(TinyConfig()), device_id=torch.device("cpu")))
+    with pytest.warns(RuntimeWarning, match="frozen FSDP1 model"), fsdp1.adapter.read_whole(fsdp1.wrapper):  # type: ignore[union-attr,arg-type]
+        pass
+
+
 @pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed")
 def test_fabric_on_one_device_is_entered_not_distributed() -> None:
     from lightning.fabric import Fabric

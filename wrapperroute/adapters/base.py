@@ -17,7 +17,7 @@ ddp                distributed, isolates, repairs               in_forward, desc
                                                                 step_ranks, repair
 replicate          distributed, isolates, enters_every_call     the same, and recover
 fsdp1              distributed, shards, picks_units             redirect_target, in_forward, describe, recover,
-                                                                nested_units, step_ranks
+                                                                nested_units, step_ranks, read_whole (warns)
 fsdp2              distributed, shards, picks_units,            in_forward, describe, recover, nested_units,
                    enters_every_call                            inside (hooks set aside), step_ranks, read_whole
 replicate_fsdp     as fsdp2, not shards                         claims

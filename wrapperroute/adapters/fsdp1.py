@@ -7,6 +7,8 @@ their weights are routed through them as well (see ``_units.py``).
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 import weakref
 from typing import Any
 
@@ -14,7 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from ._units import units_for
-from .base import Adapter
+from .base import NOTHING, Adapter
 from .ddp import group_ranks
 
 _auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = weakref.WeakKeyDictionary()
@@ -74,6 +76,18 @@ class FSDP1Adapter(Adapter):
 
     def step_ranks(self, wrapper: nn.Module) -> tuple[int, ...] | None:
         return group_ranks(wrapper.process_group)
+
+    def read_whole(self, wrapper: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        # Not built: FSDP1 forbids a forward inside summon_full_params, and a reference model's forward can
+        # run while its weights are read (a KL term). Said, not passed over.
+        warnings.warn(
+            f"wrapperroute: a frozen FSDP1 model ({type(self.peel(wrapper)).__name__}) read outside its forward "
+            "(a reference or teacher model) is left as it is: its root unit's parameters stay sharded there. "
+            "Holding them whole is built and measured for FSDP2 (fully_shard) and DeepSpeed ZeRO-3.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return NOTHING
 
     def nested_units(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
         return units_for(wrapper, self.peel(wrapper), gather, _is_unit, _auto_units)
