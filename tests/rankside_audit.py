@@ -64,3 +64,22 @@ def collectives_per_comparison(rounds: int) -> dict[str, Any]:
         dist.all_gather, dist.all_gather_object = gather, gather_object  # type: ignore[assignment]
         dist.destroy_process_group(side)
     return {"calls": calls, "found": found}
+
+
+def compare_in_windows(position: int) -> dict[str, Any]:
+    """One large gradient that differs at one ``position`` on rank 1 (by 0.5): what a comparison finds reading
+    each eighth of it in turn, and reading it whole."""
+    rank = dist.get_rank()
+    param = torch.nn.Parameter(torch.zeros(1 << 17))
+    param.grad = torch.ones_like(param)
+    if rank == 1:
+        with torch.no_grad():
+            param.grad[position] += 0.5
+    replica = [Replica("ddp[0].big", "ddp", param, (), True)]
+    side = dist.new_group(backend="gloo")
+    found = {}
+    for window in [*((part, 8) for part in range(8)), None]:
+        _, differences = compare(replica, side, {id(param)}, params=False, window=window)
+        found[str(window)] = [(d.what, d.max_abs_diff) for d in differences]
+    dist.destroy_process_group(side)
+    return found

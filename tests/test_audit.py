@@ -245,3 +245,15 @@ def test_repeated_comparison_costs_one_collective(pool: RankPool) -> None:
     for rank in pool.run(rankside_audit.collectives_per_comparison, 3):
         assert rank["calls"] == [2, 1, 1, 2], rank  # the last: counts differ, so the rows themselves, pickled
         assert rank["found"] == [0, 0, 0, 0], rank
+
+
+def test_every_step_windows_cover_each_gradient_once_in_eight(pool: RankPool) -> None:
+    """Auditing every step, a step's gradient signatures read one eighth of each large gradient: a difference
+    is seen by the step whose eighth holds it (and measured on the whole tensor), not by the others; read
+    whole, it is seen at once."""
+    import rankside_audit
+
+    position = 3 * (1 << 17) // 8 + 5  # in the fourth eighth
+    for rank in pool.run(rankside_audit.compare_in_windows, position):
+        seen = {window: found for window, found in rank.items() if found}
+        assert seen == {"(3, 8)": [("gradient", 0.5)], "None": [("gradient", 0.5)]}, rank

@@ -124,6 +124,19 @@ def replicas(known: list[tuple[str, nn.Module]] | None = None) -> tuple[list[Rep
     return found, sorted(set(kinds))
 
 
+# Tensors smaller than this are always read whole: a window saves nothing there.
+_WINDOW_MIN = 1 << 16
+
+
+def _part(tensor: torch.Tensor | None, window: tuple[int, int] | None) -> torch.Tensor | None:
+    """Part ``part`` of ``parts`` contiguous parts of ``tensor`` (flattened), or all of it."""
+    if tensor is None or window is None or tensor.numel() < _WINDOW_MIN or not tensor.is_contiguous():
+        return tensor
+    part, parts = window
+    size = -(-tensor.numel() // parts)
+    return tensor.view(-1)[part * size : (part + 1) * size]
+
+
 def _signatures(tensors: list[torch.Tensor | None]) -> list[float]:
     present = [t.detach() for t in tensors if t is not None]
     norms = iter(torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in present]) if present
@@ -140,13 +153,14 @@ class Difference:
 
 def compare(
     found: list[Replica], side: Any, grads_of: set[int] | None, params: bool = True,
-    exchange: SignatureExchange | None = None,
+    exchange: SignatureExchange | None = None, window: tuple[int, int] | None = None,
 ) -> tuple[int, list[Difference]]:  # fmt: skip
     """Compare every replica with its copies on the other ranks (collective on ``side``, every rank calls it
     with the same keys). ``grads_of``: ids of the parameters whose gradients are compared now (None: no
     gradient); ``params``: compare the parameters too (always, for replicas whose gradients are not compared);
-    ``exchange``: the run's, so that a comparison like the last one costs one collective.
-    Returns how many tensors were compared and the differences, worst first."""
+    ``exchange``: the run's, so that a comparison like the last one costs one collective; ``window``
+    ``(part, parts)``: the gradients' signatures read only that part of each large gradient (a suspect is still
+    compared whole). Returns how many tensors were compared and the differences, worst first."""
     rows: list[tuple[str, str, torch.Tensor | None]] = []
     for replica in found:
         if params or not replica.grads:
@@ -154,7 +168,7 @@ def compare(
         if grads_of is not None and replica.grads and id(replica.param) in grads_of:
             grad = replica.param.grad
             rows.append((replica.key, "gradient", _local(grad) if grad is not None else None))
-    signatures = _signatures([tensor for _, _, tensor in rows])
+    signatures = _signatures([_part(tensor, window) if what == "gradient" else tensor for _, what, tensor in rows])
     coords = {replica.key: replica.coord for replica in found}
     mine = [(key, what, coords[key], sig) for (key, what, _), sig in zip(rows, signatures, strict=True)]
     everyone = (exchange or SignatureExchange()).gather(mine, side, slot=params)

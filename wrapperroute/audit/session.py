@@ -3,11 +3,12 @@
 Before an audited optimizer step (``register_optimizer_step_pre_hook``, so every optimizer, wrapped ones
 too), every replica's gradient and parameter is compared across ranks (``replicas.py``): the gradients say
 whether this step's synchronisation happened, the parameters whether any earlier step or anything else
-(a rank skipping a step, different data in a buffer) made the replicas drift (with ``--steps all``, the
-parameters on every 8th audited step: see ``PARAMS_EVERY``). When the script ends, or destroys the default
-process group, the parameters are compared once more. Every collective runs on a side
-gloo group of its own, so none ever pairs with the script's; nothing is written to any tensor, and no random
-number is drawn, so the script's numerics are those of a run without the audit.
+(a rank skipping a step, different data in a buffer) made the replicas drift. With ``--steps all``, the
+parameters are compared on every 8th audited step, and each step's gradient signatures read one eighth of
+each large gradient (see ``PARAMS_EVERY``). When the script ends, or destroys the default process group,
+the parameters are compared once more. Every collective runs on a side gloo group of its own, so none ever
+pairs with the script's; nothing is written to any tensor, and no random number is drawn, so the script's
+numerics are those of a run without the audit.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ from .replicas import _SEQ, Difference, SignatureExchange, compare, replicas, wr
 
 OnDesync = Literal["exit", "raise", "warn"]
 DESYNC_EXIT = 3  # the exit status of a run in which a desync was found
-# Auditing every step, parameters are compared on every 8th audited step (and at the end), gradients on each:
-# reading every parameter costs as much as reading every gradient, and a drift of the parameters persists.
+# Auditing every step (``--steps all``), the parameters are compared whole on every 8th audited step (and at
+# the end), and each step's gradient signatures read one eighth of each large gradient, a different eighth
+# each step: reading whole tensors is what an audited step costs (memory, not arithmetic), a drift of the
+# parameters persists until it is seen, and a step whose synchronisation did not happen differs everywhere.
 PARAMS_EVERY = 8
 
 
@@ -115,8 +118,10 @@ class Audit:
             return
         ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
         label = f"step {seen + 1}" + (f" of optimizer {index + 1}" if index else "")
-        params = self.steps is not None or seen % PARAMS_EVERY == 0
-        self._check(label, ids, rescan=seen == 0, params=params)
+        every = self.steps is None
+        params = not every or seen % PARAMS_EVERY == 0
+        window = (seen % PARAMS_EVERY, PARAMS_EVERY) if every else None
+        self._check(label, ids, rescan=seen == 0, params=params, window=window)
 
     def finish(self) -> None:
         """The last comparison (parameters only). Every rank calls it, once."""
@@ -134,14 +139,15 @@ class Audit:
             return found
         return alive  # type: ignore[return-value]  # checked: none is None
 
-    def _check(self, label: str, grads_of: set[int] | None, rescan: bool, params: bool) -> None:
+    def _check(self, label: str, grads_of: set[int] | None, rescan: bool, params: bool,
+               window: tuple[int, int] | None = None) -> None:  # fmt: skip
         # Every rank decides to rescan at the same points (same optimizers, same steps), so the wrapper lists,
         # and with them the keys compared, stay the same on every rank.
         found, kinds = replicas(self._known(rescan))
         self.kinds.update(kinds)
         if not found:
             return
-        compared, differences = compare(found, self._side_group(), grads_of, params, self._exchange)
+        compared, differences = compare(found, self._side_group(), grads_of, params, self._exchange, window)
         checkpoint = Checkpoint(label, compared, differences)
         self.checkpoints.append(checkpoint)
         if differences:
