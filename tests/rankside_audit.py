@@ -7,7 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wrapperroute.audit.replicas import Replica, SignatureExchange, compare
+from wrapperroute.audit.exchange import SignatureExchange
+from wrapperroute.audit.replicas import Replica, compare
 
 
 def compare_replicas(differ_at: str | None, extra_on_rank: int | None) -> dict[str, Any]:
@@ -83,3 +84,48 @@ def compare_in_windows(position: int) -> dict[str, Any]:
         found[str(window)] = [(d.what, d.max_abs_diff) for d in differences]
     dist.destroy_process_group(side)
     return found
+
+
+def step_that_raises() -> dict[str, Any]:
+    """An audited DDP run whose optimizer's first step raises inside (after the audit's pre-step hook started
+    a comparison, so its post-step hook never runs); the script goes on: the comparison is finished at the
+    next step, every rank in the same order, and the run ends with every checkpoint recorded."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from wrapperroute.audit import Audit
+
+    class FailsOnce(torch.optim.Optimizer):
+        """Plain SGD whose first step raises (torch wraps ``step`` with the global hooks itself)."""
+
+        failed = False
+
+        def __init__(self, params: Any) -> None:
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:
+            if not FailsOnce.failed:
+                FailsOnce.failed = True
+                raise RuntimeError("the optimizer's own failure")
+            for group in self.param_groups:
+                for param in group["params"]:
+                    param.add_(param.grad, alpha=-group["lr"])
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(8, 8))
+    optimizer = FailsOnce(model.parameters())
+    audit = Audit(None, "warn", None)
+    audit.install()
+    raised = []
+    try:
+        for _ in range(3):
+            model(torch.randn(2, 8)).sum().backward()
+            try:
+                optimizer.step()
+            except RuntimeError as error:
+                raised.append(str(error))
+            optimizer.zero_grad()
+        audit.finish()
+    finally:
+        audit.uninstall()
+    return {"raised": raised, "labels": [c.label for c in audit.checkpoints], "desync": audit.desync}

@@ -257,3 +257,11 @@ def test_every_step_windows_cover_each_gradient_once_in_eight(pool: RankPool) ->
     for rank in pool.run(rankside_audit.compare_in_windows, position):
         seen = {window: found for window, found in rank.items() if found}
         assert seen == {"(3, 8)": [("gradient", 0.5)], "None": [("gradient", 0.5)]}, rank
+
+
+def test_a_step_that_raises_leaves_no_comparison_pending(pool: RankPool) -> None:
+    import rankside_audit
+
+    for rank in pool.run(rankside_audit.step_that_raises, timeout=120):
+        assert rank["raised"] == ["the optimizer's own failure"], rank
+        assert rank["labels"] == ["step 1", "step 2", "step 3", "end"] and not rank["desync"], rank

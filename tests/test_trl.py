@@ -152,9 +152,14 @@ def test_patch_trl_is_idempotent_and_reversible(monkeypatch: pytest.MonkeyPatch)
     from wrapperroute.integrations import trl as integration
     from wrapperroute.integrations.trl import fused_loss_trainers, patch_trl, unpatch_trl
 
-    trainers = fused_loss_trainers()
-    assert {cls.__module__ for cls in trainers} <= _fused_loss_modules()
-    assert {cls.__module__ for cls in trainers} >= {m for m in _fused_loss_modules() if m.endswith("_trainer")}
+    notes: list[str] = []
+    trainers = fused_loss_trainers(notes)
+    found = {cls.__module__ for cls in trainers}
+    assert found <= _fused_loss_modules()
+    # every trainer module the text search finds is patched, or named in the note (some releases ship an
+    # experimental trainer that fails to import without an optional package)
+    unimported = {note.split(" ", 1)[0] for note in notes if " not imported (" in note}
+    assert found | unimported >= {m for m in _fused_loss_modules() if m.endswith("_trainer")}, notes
     owners = {next(c for c in cls.__mro__ if "compute_loss" in vars(c)) for cls in trainers}
     originals = {owner: owner.__dict__["compute_loss"] for owner in owners}
     try:

@@ -19,7 +19,6 @@ always confirmed on the full tensors.
 from __future__ import annotations
 
 import gc
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ from torch import nn
 
 from ..adapters import registered
 from ..adapters.replicate import _ddp_of
+from .exchange import Posted, SignatureExchange
 
 _SEQ = "_wrapperroute_audit_seq"  # creation order of DDP wrappers, stamped by the audit (see session.py)
 
@@ -161,6 +161,16 @@ def compare(
     ``exchange``: the run's, so that a comparison like the last one costs one collective; ``window``
     ``(part, parts)``: the gradients' signatures read only that part of each large gradient (a suspect is still
     compared whole). Returns how many tensors were compared and the differences, worst first."""
+    return compare_later(found, side, grads_of, params, exchange, window).result()
+
+
+def compare_later(
+    found: list[Replica], side: Any, grads_of: set[int] | None, params: bool = True,
+    exchange: SignatureExchange | None = None, window: tuple[int, int] | None = None,
+) -> Comparison:  # fmt: skip
+    """:func:`compare`, its signatures read now and sent on their way: ``result()`` receives them, and sends
+    the suspects whole. Whatever runs in between (the optimizer's step) overlaps the exchange; a suspect's
+    tensor is read whole when ``result()`` runs (a gradient is unchanged by a step, a parameter updated)."""
     rows: list[tuple[str, str, torch.Tensor | None]] = []
     for replica in found:
         if params or not replica.grads:
@@ -171,65 +181,33 @@ def compare(
     signatures = _signatures([_part(tensor, window) if what == "gradient" else tensor for _, what, tensor in rows])
     coords = {replica.key: replica.coord for replica in found}
     mine = [(key, what, coords[key], sig) for (key, what, _), sig in zip(rows, signatures, strict=True)]
-    everyone = (exchange or SignatureExchange()).gather(mine, side, slot=params)
-    suspects = _suspects(everyone)
-    payload = {(key, what): tensor for key, what, tensor in rows if (key, what) in suspects}
-    differences: list[Difference] = []
-    if suspects:  # every rank computed the same suspect set from the same gathered signatures
-        tensors: list[Any] = [None] * dist.get_world_size(side)
-        sent = {k: (v.detach().float().cpu() if v is not None else None) for k, v in payload.items()}
-        dist.all_gather_object(tensors, sent, group=side)
-        for key, what in sorted(suspects):
-            worst = _max_diff([(everyone[r], tensors[r]) for r in range(len(everyone))], key, what)
-            if worst > 0:
-                differences.append(Difference(key, what, worst))
-    differences.sort(key=lambda d: -d.max_abs_diff)
-    return len(rows), differences
+    return Comparison(rows, (exchange or SignatureExchange()).post(mine, side, slot=params), side)
 
 
-class SignatureExchange:
-    """Every rank's rows (key, what, coordinate, signature), in one collective once the ranks have agreed on
-    the rows they compare.
+@dataclass
+class Comparison:
+    """A comparison whose signatures are on their way (:func:`compare_later`)."""
 
-    Each rank sends its row count and a digest of its rows' keys and coordinates, followed by its signatures
-    padded to the count agreed at the last exchange of the same ``slot`` (the audit alternates two kinds of
-    comparison: gradients only, and gradients with parameters). When every rank's count and digest match that
-    agreement, the signatures arrived with them. Otherwise the counts and digests decide, the same on every
-    rank: equal among the ranks, a second collective of just the signatures (and a new agreement); unequal,
-    the rows themselves, pickled. A collective costs about a millisecond on CPU ranks; pickling, three.
-    """
+    rows: list[tuple[str, str, torch.Tensor | None]]
+    posted: Posted
+    side: Any
 
-    def __init__(self) -> None:
-        self._agreed: dict[object, tuple[int, int]] = {}  # slot -> (rows, digest) every rank sent last time
-
-    def gather(self, mine: list[tuple[str, str, tuple[int, ...], float]], side: Any, slot: object = None
-               ) -> list[list[Any]]:  # fmt: skip
-        world = dist.get_world_size(side)
-        layout = [(key, what, coord) for key, what, coord, _ in mine]
-        # 6 bytes: exact in a float64, which carries it beside the signatures
-        digest = int.from_bytes(hashlib.blake2b(repr(layout).encode(), digest_size=6).digest(), "little")
-        rows, agreed_digest = self._agreed.get(slot, (0, -1))
-        sent = torch.full((rows + 2,), math.nan, dtype=torch.float64)
-        sent[0], sent[1] = len(mine), digest
-        sent[2 : 2 + min(rows, len(mine))] = torch.tensor([sig for *_, sig in mine][:rows], dtype=torch.float64)
-        received = [torch.empty_like(sent) for _ in range(world)]
-        dist.all_gather(received, sent, group=side)
-        heads = {(int(r[0]), int(r[1])) for r in received}
-        if heads == {(rows, agreed_digest)}:
-            return [_with_signatures(layout, r[2:].tolist()) for r in received]
-        if len(heads) > 1:  # the ranks compare different rows: every rank's own, pickled
-            self._agreed.pop(slot, None)
-            everyone: list[Any] = [None] * world
-            dist.all_gather_object(everyone, mine, group=side)
-            return everyone
-        self._agreed[slot] = (len(mine), digest)
-        signatures = [torch.empty(len(mine), dtype=torch.float64) for _ in range(world)]
-        dist.all_gather(signatures, torch.tensor([sig for *_, sig in mine], dtype=torch.float64), group=side)
-        return [_with_signatures(layout, theirs.tolist()) for theirs in signatures]
-
-
-def _with_signatures(layout: list[tuple[str, str, tuple[int, ...]]], signatures: list[float]) -> list[Any]:
-    return [(*row, sig) for row, sig in zip(layout, signatures, strict=True)]
+    def result(self) -> tuple[int, list[Difference]]:
+        """How many tensors were compared and the differences, worst first (collective: every rank calls it)."""
+        everyone = self.posted.wait()
+        suspects = _suspects(everyone)
+        payload = {(key, what): tensor for key, what, tensor in self.rows if (key, what) in suspects}
+        differences: list[Difference] = []
+        if suspects:  # every rank computed the same suspect set from the same gathered signatures
+            tensors: list[Any] = [None] * dist.get_world_size(self.side)
+            sent = {k: (v.detach().float().cpu() if v is not None else None) for k, v in payload.items()}
+            dist.all_gather_object(tensors, sent, group=self.side)
+            for key, what in sorted(suspects):
+                worst = _max_diff([(everyone[r], tensors[r]) for r in range(len(everyone))], key, what)
+                if worst > 0:
+                    differences.append(Difference(key, what, worst))
+        differences.sort(key=lambda d: -d.max_abs_diff)
+        return len(self.rows), differences
 
 
 def _suspects(everyone: list[list[tuple[str, str, tuple[int, ...], float]]]) -> set[tuple[str, str]]:

@@ -1,7 +1,9 @@
 """The audit inside one rank: torch's global optimizer hooks, which steps to audit, what was found.
 
-Before an audited optimizer step (``register_optimizer_step_pre_hook``, so every optimizer, wrapped ones
-too), every replica's gradient and parameter is compared across ranks (``replicas.py``): the gradients say
+Around an audited optimizer step (torch's global optimizer step hooks, so every optimizer, wrapped ones too),
+every replica's gradient and parameter is compared across ranks (``replicas.py``): read before the step, their
+signatures travel while it runs, and the verdict comes after it (a suspect's gradient is read whole then,
+unchanged by the step; a suspect parameter as updated). The gradients say
 whether this step's synchronisation happened, the parameters whether any earlier step or anything else
 (a rank skipping a step, different data in a buffer) made the replicas drift. With ``--steps all``, the
 parameters are compared on every 8th audited step, and each step's gradient signatures read one eighth of
@@ -26,10 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..errors import GradSyncError
-from .replicas import _SEQ, Difference, SignatureExchange, compare, replicas, wrappers
+from .exchange import SignatureExchange
+from .replicas import _SEQ, Comparison, Difference, compare, compare_later, replicas, wrappers
 
 OnDesync = Literal["exit", "raise", "warn"]
 DESYNC_EXIT = 3  # the exit status of a run in which a desync was found
@@ -64,6 +67,8 @@ class Audit:
         self.stepped = False  # some optimizer stepped while several ranks ran
         self._side: Any = group  # the gloo group comparisons run on; None: one made at the first audited step
         self._exchange = SignatureExchange()
+        # optimizer id -> (label, comparison) started before its step, finished after it
+        self._pending: dict[int, tuple[str, Comparison]] = {}
         self._optimizers: dict[int, tuple[int, int]] = {}  # id -> (index in first-step order, steps seen)
         # The wrappers found by the last scan of the process's objects (weakly: the audit keeps no model alive).
         # Scanned again for an optimizer not seen before, or when one of them is gone.
@@ -73,8 +78,9 @@ class Audit:
     # --- installing -------------------------------------------------------------------------------------
 
     def install(self) -> None:
-        handle = register_optimizer_step_pre_hook(self._before_step)
-        self._undo.append(handle.remove)
+        for register, hook in ((register_optimizer_step_pre_hook, self._before_step),
+                               (register_optimizer_step_post_hook, self._after_step)):  # fmt: skip
+            self._undo.append(register(hook).remove)
         counter = itertools.count(1)
         init = DistributedDataParallel.__init__
 
@@ -109,6 +115,7 @@ class Audit:
         return self._side
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._finish_pending(id(optimizer))  # a step that raised never reached _after_step
         index, seen = self._optimizers.get(id(optimizer), (len(self._optimizers), 0))
         self._optimizers[id(optimizer)] = (index, seen + 1)
         if self.finished or not self._running():
@@ -121,15 +128,33 @@ class Audit:
         every = self.steps is None
         params = not every or seen % PARAMS_EVERY == 0
         window = (seen % PARAMS_EVERY, PARAMS_EVERY) if every else None
-        self._check(label, ids, rescan=seen == 0, params=params, window=window)
+        found = self._replicas(rescan=seen == 0)
+        if found:  # the signatures exchanged while the optimizer steps; the verdict after it
+            comparison = compare_later(found, self._side_group(), ids, params, self._exchange, window)
+            self._pending[id(optimizer)] = (label, comparison)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._finish_pending(id(optimizer))
+
+    def _finish_pending(self, key: int | None = None) -> None:
+        """Finish the comparison started before ``key``'s step (None: every one, in the order started)."""
+        for pending in [key] if key is not None else list(self._pending):
+            started = self._pending.pop(pending, None)
+            if started is not None:
+                self._record(started[0], *started[1].result())
 
     def finish(self) -> None:
         """The last comparison (parameters only). Every rank calls it, once."""
         if self.finished:
             return
+        if self._running():
+            self._finish_pending()
+        self._pending.clear()
         self.finished = True
         if self._running() and self.checkpoints:
-            self._check("end", None, rescan=False, params=True)
+            found = self._replicas(rescan=False)
+            if found:
+                self._record("end", *compare(found, self._side_group(), None, True, self._exchange))
 
     def _known(self, rescan: bool) -> list[tuple[str, nn.Module]]:
         alive = [(kind, ref()) for kind, ref in self._wrappers or ()]
@@ -139,15 +164,14 @@ class Audit:
             return found
         return alive  # type: ignore[return-value]  # checked: none is None
 
-    def _check(self, label: str, grads_of: set[int] | None, rescan: bool, params: bool,
-               window: tuple[int, int] | None = None) -> None:  # fmt: skip
+    def _replicas(self, rescan: bool) -> list[Any]:
         # Every rank decides to rescan at the same points (same optimizers, same steps), so the wrapper lists,
         # and with them the keys compared, stay the same on every rank.
         found, kinds = replicas(self._known(rescan))
         self.kinds.update(kinds)
-        if not found:
-            return
-        compared, differences = compare(found, self._side_group(), grads_of, params, self._exchange, window)
+        return found
+
+    def _record(self, label: str, compared: int, differences: list[Difference]) -> None:
         checkpoint = Checkpoint(label, compared, differences)
         self.checkpoints.append(checkpoint)
         if differences:
