@@ -54,18 +54,20 @@ def audited_step_ratio(size: str, reps: int, steps: int | None, block: int) -> d
             step()
 
     side = torch.distributed.new_group(backend="gloo")  # made once per run by the audit itself
-    in_hook: list[float] = []  # seconds spent inside the audit's pre-step hook, per audited block
+    in_hook: list[float] = []  # seconds spent inside the audit's step hooks, per audited block
 
     def timed(audit: Audit) -> Audit:
-        """``audit`` with its pre-step hook timed: the audit's own share of a step, free of the step's noise."""
-        before_step = audit._before_step
+        """``audit`` with its two step hooks timed: the audit's own share of a step, free of the step's noise
+        (the wait for the exchange included: before the step, and what is left of it after the step)."""
+        for name in ("_before_step", "_after_step"):
+            hook = getattr(audit, name)
 
-        def hook(*args: Any) -> None:
-            start = time.perf_counter()
-            before_step(*args)
-            in_hook[-1] += time.perf_counter() - start
+            def clocked(*args: Any, hook: Any = hook) -> None:
+                start = time.perf_counter()
+                hook(*args)
+                in_hook[-1] += time.perf_counter() - start
 
-        audit._before_step = hook  # type: ignore[method-assign]
+            setattr(audit, name, clocked)
         return audit
 
     every = timed(Audit(None, "warn", None, group=side))  # one audit for the whole run: one scan
@@ -105,9 +107,9 @@ def main() -> int:
         f"audited / plain step, {every['params'] / 1e6:.1f}M-parameter DDP model, 2 CPU ranks, "
         f"medians of interleaved repetitions ({time.perf_counter() - started:.0f} s):\n"
         f"  every step audited (--steps all): {every['ratio']:.3f} [p10 {every['ratio_p10']:.3f}, "
-        f"p90 {every['ratio_p90']:.3f}]; the audit's hook: {every['hook_share']:.3f} of a plain step\n"
+        f"p90 {every['ratio_p90']:.3f}]; the audit's hooks: {every['hook_share']:.3f} of a plain step\n"
         f"  default (--steps 3) over 100 steps: {default['ratio']:.3f} [p10 {default['ratio_p10']:.3f}, "
-        f"p90 {default['ratio_p90']:.3f}]; the audit's hook: {default['hook_share']:.3f} of a plain step"
+        f"p90 {default['ratio_p90']:.3f}]; the audit's hooks: {default['hook_share']:.3f} of a plain step"
     )
     return 0
 
