@@ -12,11 +12,13 @@ they fail (TRL issue #7245 and the TRL pull request that followed):
   (DPO and KTO under FSDP2);
 - later releases route the loss through the wrapper themselves.
 
-:func:`patch_trl` finds the trainers by reading the installed package (the modules that use a chunked Liger
-loss) and decides on every call from what the call receives: a trainer that holds a fused Liger loss and got a
-distributed wrapper runs its whole ``compute_loss`` inside that wrapper's forward, and inside the forward of
-each other distributed model it holds (reference, teacher), with their output heads whole; a
-``_compute_loss_liger`` given the wrapper gets the model it expects. No version number decides anything.
+:func:`patch_trl` finds the trainers by reading the installed package (the modules with a Liger path: their
+source reads ``use_liger_kernel``) and decides on every call from what the call receives: a trainer that holds
+a fused linear loss (a parameter-free module whose ``forward`` takes a layer's weight: Liger's chunked losses
+and TRL's own copies of them alike) and got a distributed wrapper runs its whole ``compute_loss`` inside that
+wrapper's forward, while each other distributed model it holds (reference, teacher) has its weights held
+whole; a ``_compute_loss_liger`` given the wrapper gets the model it expects. No version number or class name
+decides anything.
 
 The obvious fix (route through TRL's ``_forward_redirection``) crashes: the Liger losses are compiled
 ``torch.func`` losses, and DDP's graph optimizer splits them inside the transform ("Cannot access storage of
@@ -31,6 +33,7 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+import inspect
 import logging
 import sys
 from collections.abc import Callable
@@ -49,7 +52,10 @@ _MISSING = object()
 liger_paths: dict[tuple[str, str], int] = {}
 # Frozen models a trainer may hold whose weights its loss reads directly, outside their forward.
 _COMPANIONS = ("ref_model", "teacher_model")
-_FUSED_LOSS_MODULE = "liger_kernel.chunked_loss"
+# The switch of every Liger path in TRL: a trainer module without it has none.
+_LIGER_SWITCH = "use_liger_kernel"
+# class -> whether its instances are fused linear losses (see _reads_weights)
+_fused_classes: dict[type, bool] = {}
 
 
 class ForwardRedirection:
@@ -158,8 +164,23 @@ def _seen(owner: str, path: str) -> None:
 
 
 def _holds_fused_loss(trainer: Any) -> bool:
-    """Whether ``trainer`` holds a chunked Liger loss (it reads weights directly), read off the instance."""
-    return any(type(value).__module__.startswith(_FUSED_LOSS_MODULE) for value in vars(trainer).values())
+    """Whether ``trainer`` holds a fused linear loss (it reads a layer's weight directly), read off the
+    instance."""
+    return any(_reads_weights(value) for value in vars(trainer).values())
+
+
+def _reads_weights(value: Any) -> bool:
+    """A parameter-free module whose ``forward`` takes a layer's weight (``lin_weight``, ``student_weight``...):
+    the shape of Liger's chunked losses and of TRL's copies of them, whatever their names or modules."""
+    cls = type(value)
+    known = _fused_classes.get(cls)
+    if known is None:
+        try:
+            names = inspect.signature(cls.forward).parameters if issubclass(cls, nn.Module) else ()
+        except (TypeError, ValueError):
+            names = ()
+        known = _fused_classes[cls] = any(name == "weight" or name.endswith("_weight") for name in names)
+    return known and next(value.parameters(), None) is None
 
 
 def _routed_compute_loss(original: Callable[..., Any], mode: Mode) -> Callable[..., Any]:
@@ -221,9 +242,9 @@ def _trl_redirection_modules(cls: Any) -> list[Any]:
 
 
 def fused_loss_trainers(notes: list[str] | None = None) -> list[type]:
-    """The installed TRL's trainer classes defined in a module that uses a chunked Liger loss: found by reading
-    the package's source (no list of names or versions), then importing only those modules. A module that fails
-    to import is named in ``notes``."""
+    """The installed TRL's trainer classes defined in a module with a Liger path (its source reads
+    ``use_liger_kernel``): found by reading the package's files (no list of names or versions), then importing
+    only those modules. A module that fails to import is named in ``notes``."""
     import pathlib
 
     from transformers import Trainer
@@ -234,7 +255,7 @@ def fused_loss_trainers(notes: list[str] | None = None) -> list[type]:
     root = pathlib.Path(spec.origin).parent
     found: list[type] = []
     for path in sorted(root.rglob("*.py")):
-        if _FUSED_LOSS_MODULE not in path.read_text(encoding="utf-8", errors="ignore"):
+        if _LIGER_SWITCH not in path.read_text(encoding="utf-8", errors="ignore"):
             continue
         name = ".".join(("trl", *path.relative_to(root).with_suffix("").parts))
         try:
@@ -253,14 +274,14 @@ def fused_loss_trainers(notes: list[str] | None = None) -> list[type]:
 def patch_trl(mode: Mode = "isolate", forward_redirection: bool = True) -> TrlPatch:
     """Make the installed TRL's trainers with a fused Liger loss exact under every wrapper. Idempotent.
 
-    - Every trainer class defined in a module of the installed TRL that uses a chunked Liger loss (see
+    - Every trainer class defined in a module of the installed TRL with a Liger path (see
       :func:`fused_loss_trainers`): ``compute_loss`` is wrapped on the class that defines it and, on each call
-      where the trainer holds such a loss and received a distributed wrapper, runs whole inside that wrapper's
-      forward (and each distributed reference or teacher model's), with their output heads whole (FSDP2 root,
-      ZeRO-3 partition); ``_compute_loss_liger``, where a class defines it, is given the unwrapped model when a
-      release passes it the wrapper. ``mode`` defaults to ``"isolate"``: the losses are compiled ``torch.func``
-      losses that DDP's graph optimizer can fail to split, so they skip it from the first call instead of
-      failing once (a wasted compile) and falling back.
+      where the trainer holds a fused linear loss and received a distributed wrapper, runs whole inside that
+      wrapper's forward, while each distributed reference or teacher model it holds has its weights held whole
+      (``Adapter.read_whole``: FSDP2 root, ZeRO-3 head); ``_compute_loss_liger``, where a class defines it, is
+      given the unwrapped model when a release passes it the wrapper. ``mode`` defaults to ``"isolate"``: the
+      losses are compiled ``torch.func`` losses that DDP's graph optimizer can fail to split, so they skip it
+      from the first call instead of failing once (a wasted compile) and falling back.
     - ``forward_redirection``: ``trl.models.utils._ForwardRedirection`` and every loaded TRL module's
       ``_ForwardRedirection`` become :class:`ForwardRedirection`, so trainers built from now on restore the
       forward on exceptions; a trainer built before, whose loss is routed whole, gets ours at its next step.
