@@ -80,6 +80,9 @@ def layout(name: str, probe: GradProbe) -> Iterator[None]:
 
     AcceleratorState._reset_state(reset_partial_state=False)
     environ = dict(os.environ)
+    # DeepSpeed's ZeRO-3 puts its own autograd function in for F.linear while it partitions a model, and some
+    # TRL releases' set-up leaves it in: a later FSDP2 cell's backward would run it on freed storage.
+    linear = torch.nn.functional.linear
     undo: list[Callable[[], None]] = []
     try:
         if name == "fsdp2":
@@ -101,6 +104,7 @@ def layout(name: str, probe: GradProbe) -> Iterator[None]:
         AcceleratorState._reset_state(reset_partial_state=False)
         os.environ.clear()
         os.environ.update(environ)
+        torch.nn.functional.linear = linear
 
 
 def _fsdp_on_cpu() -> Callable[[], None]:
