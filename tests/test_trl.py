@@ -273,12 +273,15 @@ def test_patched_trainer_exact(pool: RankPool, references: Callable[[str], Any],
     assert after["ref_diff"] is not None and after["ref_diff"] <= REFERENCE_TOLERANCE, after
     from wrapperroute.integrations.trl import fused_loss_trainers
 
-    if any(cls.__name__ == _class_name(trainer) for cls in fused_loss_trainers()):  # this TRL has a Liger path there
-        assert any(path.startswith(_class_name(trainer)) for path in after["liger_paths"]), after  # the patch saw it
+    bug = before["errors"] or before["differ"] or (before["ref_diff"] or 0.0) > REFERENCE_TOLERANCE
+    if not any(cls.__name__ == _class_name(trainer) for cls in fused_loss_trainers()):
+        # no Liger path in this TRL's trainer (GKD from 1.14): nothing to fix, exact as installed
+        assert not bug and not after["liger_paths"], (before, after)
+        return
+    assert any(path.startswith(_class_name(trainer)) for path in after["liger_paths"]), after  # the patch saw it
     if layout == "ddp" and trainer in ("dpo", "kto") and _defines_liger_loss(trainer):
         # the upstream bug as installed: a desync, or the wrapper-passed crash
         assert before["errors"] or before["differ"] == before["params"] > 0, before
-    bug = before["errors"] or before["differ"] or (before["ref_diff"] or 0.0) > REFERENCE_TOLERANCE
     assert bug or before["redirection"] is not None, before  # in sync only through a redirection of its own
 
 
