@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import pathlib
 import subprocess
@@ -16,7 +17,8 @@ import torch
 from torch import nn
 
 from wrapperroute.check.cell import REFERENCE_TOLERANCE
-from wrapperroute.check.trl_cells import compare_ranks, trl_step
+from wrapperroute.check.trl_cells import TRAINERS, compare_ranks, trl_step
+from wrapperroute.check.trl_layouts import LAYOUTS
 from wrapperroute.integrations.trl import ForwardRedirection
 from wrapperroute.ranks import RankPool
 
@@ -194,9 +196,8 @@ def test_patch_trl_is_idempotent_and_reversible(monkeypatch: pytest.MonkeyPatch)
 # --- real TRL trainers, 2 gloo ranks -------------------------------------------------------------------------
 
 needs_liger = pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed")
-# (trainer, wrapper) cells run here; `wrapperroute check --trl` runs every trainer under every wrapper.
-CELLS = [("dpo", "ddp"), ("dpo", "zero3"), ("dpo", "fsdp2"), ("kto", "ddp"), ("grpo", "ddp"), ("gkd", "zero3"),
-         ("distill", "ddp")]  # fmt: skip
+# Every trainer under every wrapper, as `wrapperroute check --trl` runs them (a trainer this TRL lacks: skipped).
+CELLS = [(trainer, layout) for trainer in TRAINERS for layout in LAYOUTS]
 
 
 def _trl_step(pool: RankPool, trainer: str, variant: str, folder: pathlib.Path, layout: str = "ddp",
@@ -241,16 +242,19 @@ def _row(result: dict[str, Any]) -> str:
     )
 
 
-def _installed(trainer: str) -> None:
-    from wrapperroute.check.trl_cells import TRAINERS
+@functools.cache
+def _liger_trainers() -> tuple[list[str], list[str]]:
+    from wrapperroute.check.trl_report import liger_trainers
 
-    module_name, _, class_name = TRAINERS[trainer]  # found by name where this TRL has it
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        module = None
-    if getattr(module, class_name, None) is None:
-        pytest.skip(f"the installed TRL has no {class_name}")
+    _, found, left = liger_trainers()
+    return found, left
+
+
+def _installed(trainer: str) -> None:
+    found, left = _liger_trainers()
+    if trainer not in found:  # this TRL lacks the trainer, or its config has no use_liger_kernel
+        names = TRAINERS[trainer][1:]  # its config and trainer class, as the report's line names them
+        pytest.skip(next((line for line in left if any(f" {name}" in line for name in names)), trainer))
 
 
 @needs_trl
@@ -274,11 +278,14 @@ def test_patched_trainer_exact(pool: RankPool, references: Callable[[str], Any],
     from wrapperroute.integrations.trl import fused_loss_trainers
 
     bug = before["errors"] or before["differ"] or (before["ref_diff"] or 0.0) > REFERENCE_TOLERANCE
-    if not any(cls.__name__ == _class_name(trainer) for cls in fused_loss_trainers()):
-        # no Liger path in this TRL's trainer (GKD from 1.14): nothing to fix, exact as installed
-        assert not bug and not after["liger_paths"], (before, after)
+    has_path = any(cls.__name__ == _class_name(trainer) for cls in fused_loss_trainers())
+    if has_path:
+        assert any(path.startswith(_class_name(trainer)) for path in after["liger_paths"]), after  # the patch saw it
+    if not has_path or all("no fused Liger loss" in path for path in after["liger_paths"]):
+        # this TRL's trainer holds no fused Liger loss (none at all, or its Liger path runs inside the model's own
+        # forward, as from TRL 1.14): nothing to fix, exact as installed
+        assert not bug, before
         return
-    assert any(path.startswith(_class_name(trainer)) for path in after["liger_paths"]), after  # the patch saw it
     if layout == "ddp" and trainer in ("dpo", "kto") and _defines_liger_loss(trainer):
         # the upstream bug as installed: a desync, or the wrapper-passed crash
         assert before["errors"] or before["differ"] == before["params"] > 0, before
@@ -286,8 +293,6 @@ def test_patched_trainer_exact(pool: RankPool, references: Callable[[str], Any],
 
 
 def _class_name(trainer: str) -> str:
-    from wrapperroute.check.trl_cells import TRAINERS
-
     return TRAINERS[trainer][2]
 
 

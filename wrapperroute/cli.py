@@ -187,10 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--verbose", action="store_true", help="show the libraries' warnings and logs from the ranks")
     run.add_argument(
         "--trl", action="store_true",
-        help="run the installed TRL's trainers with a fused Liger loss (DPO, KTO, GRPO, GKD, distillation) under "
-        "DDP, ZeRO-3 and FSDP2 (--wrappers picks among ddp, zero3, fsdp2), as installed and patched",
+        help="run the installed TRL's trainers with a fused Liger loss (DPO, KTO, GRPO, GKD, distillation, GOLD, "
+        "IW-OPD, SDPO, SDFT) under DDP, ZeRO-3 and FSDP2 (--wrappers picks among ddp, zero3, fsdp2), as installed "
+        "and patched",
     )
-    run.add_argument("--trainers", help="with --trl: comma-separated subset of dpo, kto, grpo, gkd, distill")
+    run.add_argument(
+        "--trainers", help="with --trl: comma-separated subset of dpo, kto, grpo, gkd, distill, gold, iwopd, sdpo, sdft"
+    )
     run.set_defaults(handler=check)
     commands.add_parser("env", help="versions and what is available").set_defaults(handler=env)
     commands.add_parser(

@@ -9,6 +9,7 @@ that failed must not leave the other waiting in a collective it never joins).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -36,6 +37,10 @@ TRAINERS = {
     "grpo": ("trl", "GRPOConfig", "GRPOTrainer"),
     "gkd": ("trl.experimental.gkd", "GKDConfig", "GKDTrainer"),
     "distill": ("trl", "DistillationConfig", "DistillationTrainer"),
+    "gold": ("trl.experimental.gold", "GOLDConfig", "GOLDTrainer"),
+    "iwopd": ("trl.experimental.iw_opd", "IWOPDConfig", "IWOPDTrainer"),
+    "sdpo": ("trl.experimental.sdpo", "SDPOConfig", "SDPOTrainer"),
+    "sdft": ("trl.experimental.sdft", "SDFTConfig", "SDFTTrainer"),
 }
 # A tiny chat template (GKD's collator applies one); the words only need to be in the vocabulary.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w0{% endif %}"
@@ -61,13 +66,23 @@ def tiny_llama(vocab: int, hidden: int) -> Any:
     return LlamaForCausalLM(config)
 
 
-def tokenizer() -> Any:
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def tokenizer(byte_level: bool = False) -> Any:
+    """A WordLevel tokenizer of ``WORDS``; ``byte_level``: a ByteLevel BPE one trained on them (GOLD's data
+    set-up reads byte offsets and accepts only those)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(["<pad>", "<s>", "</s>", "<unk>", *WORDS])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    if byte_level:
+        core = Tokenizer(models.BPE())
+        core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        core.decoder = decoders.ByteLevel()
+        learn = trainers.BpeTrainer(vocab_size=512, special_tokens=specials, show_progress=False,
+                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+        core.train_from_iterator([" ".join(WORDS)], learn)
+    else:
+        core = Tokenizer(models.WordLevel({token: i for i, token in enumerate([*specials, *WORDS])}, unk_token="<unk>"))
+        core.pre_tokenizer = pre_tokenizers.Whitespace()
     made = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
@@ -76,6 +91,11 @@ def tokenizer() -> Any:
 
 
 def training_args(cls: Any, out: str, **extra: Any) -> Any:
+    """``cls`` (a TRL config) for one fp32 step; of ``extra``, only what this release's config has (an option a
+    trainer gained later, such as SDPO's ``distillation_is_clip``, does not exist to be set in earlier ones)."""
+    fields = {field.name for field in dataclasses.fields(cls)}
+    if "use_liger_kernel" in extra and "use_liger_kernel" not in fields:
+        raise ValueError(f"{cls.__name__} has no use_liger_kernel: this release's trainer has no Liger path")
     return cls(
         output_dir=out,
         max_steps=1,
@@ -92,7 +112,7 @@ def training_args(cls: Any, out: str, **extra: Any) -> Any:
         logging_strategy="no",
         dataloader_num_workers=0,
         seed=0,
-        **extra,
+        **{key: value for key, value in extra.items() if key in fields},
     )
 
 
@@ -154,16 +174,28 @@ def _setup(trainer_name: str, folder: str, layout: str) -> tuple[list[dict[str, 
         return preference_rows(8), {}, ref
     if trainer_name == "kto":
         return _kto_rows(8), {}, ref
+    generated: dict[str, Any] = {"num_generations": 2, "max_completion_length": 4}
+    # SDPO and SDFT take the fused JSD only on full logits, unclipped
+    self_distilled = generated | {"distillation_mode": "full_logits", "distillation_is_clip": None}
     if trainer_name == "grpo":
-        config = {"num_generations": 2, "max_completion_length": 4, "beta": 0.0}
-        return _prompt_rows(8), config, {"reward_funcs": _reward}
+        return _prompt_rows(8), generated | {"beta": 0.0}, {"reward_funcs": _reward}
+    if trainer_name == "sdpo":  # every rollout a success, every teacher reprompted with one: a non-zero JSD
+        config = {"loss_type": "bnpo", "success_reward_threshold": 0.0, "dont_reprompt_on_self_success": False}
+        return _prompt_rows(8), self_distilled | config, {"reward_funcs": _reward}
+    if trainer_name == "sdft":  # the teacher: the policy shown a privileged context
+        return [row | {"privileged_context": row["prompt"]} for row in _prompt_rows(8)], self_distilled, {}
     teacher = AutoModelForCausalLM.from_pretrained(folder)  # the same weights: a real, non-zero JSD all the same
     torch.manual_seed(1)
     with torch.no_grad():
         for param in teacher.parameters():
             param.add_(torch.randn_like(param) * 0.02)
-    if trainer_name == "gkd":  # off-policy only (lmbda 0): no generation, the step is the Liger JSD loss
-        return _chat_rows(8), {"lmbda": 0.0, "seq_kd": False, "max_length": 16}, {"teacher_model": teacher}
+    if trainer_name in ("gkd", "gold"):  # off-policy only (lmbda 0): no generation, the step is the Liger JSD loss
+        config = {"lmbda": 0.0, "seq_kd": False, "max_length": 16, "max_completion_length": 4}
+        return _chat_rows(8), config, {"teacher_model": teacher}
+    if trainer_name == "iwopd":  # its Liger path is the JSD objective; its collator reads chat messages
+        # Greedy on-policy generation: sampled, ZeRO-3's rollouts differ from the reference's (0.0055 apart)
+        config = {"top_k": 1, "max_completion_length": 4, "distillation_objective": "jsd"}
+        return _chat_rows(8), config, {"teacher_model": teacher}
     return _prompt_rows(8), {"max_completion_length": 4}, {"teacher_model": teacher}
 
 
@@ -226,7 +258,7 @@ def trl_step(trainer_name: str, variant: str, folder: str, layout: str = "ddp") 
                 model=AutoModelForCausalLM.from_pretrained(folder),
                 args=training_args(config_cls, out, **common, **config, **layout_args(layout)),
                 train_dataset=Dataset.from_list(rows),
-                processing_class=tokenizer(),
+                processing_class=tokenizer(byte_level=trainer_name == "gold"),
                 callbacks=[probe],
                 **extra,
             )

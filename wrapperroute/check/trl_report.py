@@ -29,7 +29,7 @@ LAYOUT_NAMES = {"ddp": "DDP", "zero3": "ZeRO-3", "fsdp2": "FSDP2"}
 
 def liger_trainers() -> tuple[str, list[str], list[str]]:
     """The installed TRL's version, the trainers of ``TRAINERS`` it has with ``use_liger_kernel``, and a line
-    for each left out: missing here, or found in the installed package with a fused loss but no data set-up."""
+    for each left out: missing here, or found in the installed package with a Liger path but no data set-up."""
     import trl
 
     from ..integrations.trl import fused_loss_trainers
@@ -50,7 +50,7 @@ def liger_trainers() -> tuple[str, list[str], list[str]]:
     known = {trainer_name for _, _, trainer_name in TRAINERS.values()}
     for cls in fused_loss_trainers():
         if cls.__name__ not in known:
-            left.append(f"wrapperroute: {cls.__module__}.{cls.__name__} uses a fused Liger loss; check --trl has "
+            left.append(f"wrapperroute: {cls.__module__}.{cls.__name__} reads use_liger_kernel; check --trl has "
                         "no data set-up for it: patched by patch_trl(), not checked")  # fmt: skip
     return str(trl.__version__), found, left
 

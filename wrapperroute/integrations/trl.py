@@ -36,7 +36,8 @@ import importlib.util
 import inspect
 import logging
 import sys
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +45,10 @@ from torch import nn
 
 from ..detect import detect
 from ..route import Mode, route_loss
+from ._redirection import _MISSING, ForwardRedirection
 
 log = logging.getLogger("wrapperroute")
 
-_MISSING = object()
 # What a patched method found on each call: (trainer class name, path) -> calls.
 liger_paths: dict[tuple[str, str], int] = {}
 # Frozen models a trainer may hold whose weights its loss reads directly, outside their forward.
@@ -56,79 +57,6 @@ _COMPANIONS = ("ref_model", "teacher_model")
 _LIGER_SWITCH = "use_liger_kernel"
 # class -> whether its instances are fused linear losses (see _reads_weights)
 _fused_classes: dict[type, bool] = {}
-
-
-class ForwardRedirection:
-    """Drop-in for TRL's ``_ForwardRedirection``, backed by :func:`wrapperroute.route_loss`.
-
-    ``redirection(wrapper_module, original_module, method, *args, **kwargs)`` returns
-    ``method(*args, **kwargs)`` computed inside ``wrapper_module``'s forward, like TRL's (Lightning's) class,
-    and keeps its ``on_after_inner_forward``/``on_after_outer_forward`` hooks. Unlike it:
-
-    - the module's ``forward`` is restored even when the wrapper or ``method`` raises, and no instance
-      ``forward`` attribute is left behind;
-    - a compiled ``torch.func`` method (Liger's chunked losses) that DDP's graph optimizer cannot split is
-      rerun isolated from that optimizer (``mode="auto"``, see :func:`route_loss`);
-    - for wrappers wrapperroute knows (DDP, FSDP1/2, DeepSpeed, under ``torch.compile`` too), the arguments
-      reach ``method`` untouched: they are not moved or cast by the wrapper. Unknown wrappers get TRL's
-      behaviour (arguments through the wrapper), with the restore above.
-    """
-
-    def __init__(self, mode: Mode = "auto") -> None:
-        self.mode: Mode = mode
-
-    def __call__(
-        self, wrapper_module: nn.Module, original_module: nn.Module, method: Callable[..., Any], *args: Any,
-        **kwargs: Any,
-    ) -> Any:  # fmt: skip
-        found = detect(wrapper_module)
-        if any(layer is original_module for layer in found.layers):
-            # A partial keys route_loss's functorch fallback on ``method`` itself; a closure (only when a subclass
-            # hooks in after the inner call) would share one key between every method redirected.
-            fn: Callable[[], Any] = functools.partial(method, *args, **kwargs)
-            if type(self).on_after_inner_forward is not ForwardRedirection.on_after_inner_forward:
-                fn = functools.partial(self._then_inner_hook, wrapper_module, original_module, fn)
-            output = route_loss(wrapper_module, original_module, fn, mode=self.mode)
-        else:
-            output = self._through_unknown(wrapper_module, original_module, method, args, kwargs)
-        self.on_after_outer_forward(wrapper_module, original_module)
-        return output
-
-    def _then_inner_hook(self, wrapper: nn.Module, original: nn.Module, call: Callable[[], Any]) -> Any:
-        out = call()
-        self.on_after_inner_forward(wrapper, original)
-        return out
-
-    def _through_unknown(
-        self, wrapper: nn.Module, original: nn.Module, method: Callable[..., Any], args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:  # fmt: skip
-        """TRL's redirection, for a wrapper wrapperroute does not know, plus restore-on-exception."""
-        saved = original.__dict__.get("forward", _MISSING)
-
-        def restore() -> None:
-            if saved is _MISSING:
-                original.__dict__.pop("forward", None)
-            else:
-                original.__dict__["forward"] = saved
-
-        def forward(*inner_args: Any, **inner_kwargs: Any) -> Any:
-            restore()  # before ``method``: it may call the real forward itself
-            out = method(*inner_args, **inner_kwargs)
-            self.on_after_inner_forward(wrapper, original)
-            return out
-
-        original.__dict__["forward"] = forward
-        try:
-            return wrapper(*args, **kwargs)
-        finally:
-            restore()
-
-    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: nn.Module) -> None:
-        pass
-
-    def on_after_outer_forward(self, wrapper_module: nn.Module, original_module: nn.Module) -> None:
-        pass
 
 
 @dataclass(frozen=True)
@@ -198,6 +126,9 @@ def _routed_compute_loss(original: Callable[..., Any], mode: Mode) -> Callable[.
         if redirection is not None and not isinstance(redirection, ForwardRedirection):
             # built before patch_trl: TRL's class would call the wrapper again from inside its forward
             self._forward_redirection = ForwardRedirection()
+        step = _step_gathers.get(self)
+        if step is not None:
+            step.start()  # before the companions: their heads, once gathered here, are left as they are
         held = [type(model).__name__]
         with contextlib.ExitStack() as stack:
             for attribute in _COMPANIONS:
@@ -229,6 +160,51 @@ def _unwrapping_liger(original: Callable[..., Any]) -> Callable[..., Any]:
 
     _compute_loss_liger.__wrapperroute_original__ = original  # type: ignore[attr-defined]
     return _compute_loss_liger
+
+
+class _StepGather:
+    """TRL's gather of the ZeRO-3 heads for one training step, entered when the routed loss first runs."""
+
+    def __init__(self, enter: Callable[[], Any]) -> None:
+        self.enter: Callable[[], Any] | None = enter
+        self.stack = contextlib.ExitStack()
+
+    def start(self) -> None:
+        if self.enter is not None:
+            self.stack.enter_context(self.enter())
+            self.enter = None
+
+
+# trainer -> its running step's gather, deferred to the loss (see _head_gather_deferred)
+_step_gathers: weakref.WeakKeyDictionary[Any, _StepGather] = weakref.WeakKeyDictionary()
+
+
+def _head_gather_deferred(original: Callable[..., Any]) -> Callable[..., Any]:
+    owner = original.__qualname__.split(".")[0]
+
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def gather_context(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Iterator[None]:
+        gather = original(self, model, *args, **kwargs)  # DeepSpeed gathers on entering, not before
+        if isinstance(gather, contextlib.nullcontext) or not (detect(model).distributed and _holds_fused_loss(self)):
+            with gather:
+                yield
+            return
+        # TRL holds the heads gathered through the whole training step, for the loss's forward and backward.
+        # The step's on-policy generation, inside it, gathers every parameter, which DeepSpeed refuses to nest
+        # ("Nested GatheredParameters contexts cannot overlap"): the routed loss enters TRL's gather when it
+        # runs, after the generation, and the step leaves it, as TRL's does.
+        _seen(owner, "head gather from the loss to the end of the step")
+        step = _StepGather(lambda: gather)
+        _step_gathers[self] = step
+        with step.stack:
+            try:
+                yield
+            finally:
+                _step_gathers.pop(self, None)
+
+    gather_context.__wrapperroute_original__ = original  # type: ignore[attr-defined]
+    return gather_context
 
 
 def _trl_redirection_modules(cls: Any) -> list[Any]:
@@ -301,7 +277,8 @@ def patch_trl(mode: Mode = "isolate", forward_redirection: bool = True) -> TrlPa
         # Patched on the class that defines each method: a re-exported or subclassed trainer (KTO moved out of
         # trl.experimental, MiniLLM extends GRPO) shares one patch with the class it inherits from.
         for attribute, wrap in (("compute_loss", functools.partial(_routed_compute_loss, mode=mode)),
-                                ("_compute_loss_liger", _unwrapping_liger)):  # fmt: skip
+                                ("_compute_loss_liger", _unwrapping_liger),
+                                ("_get_liger_zero3_lm_head_gather_ctx", _head_gather_deferred)):  # fmt: skip
             owner = _defining(cls, attribute)
             if owner is None or owner.__module__.startswith("transformers"):
                 continue  # no such method, or the Trainer's own compute_loss (no fused loss of TRL's there)
