@@ -17,8 +17,9 @@ source reads ``use_liger_kernel``) and decides on every call from what the call 
 a fused linear loss (a parameter-free module whose ``forward`` takes a layer's weight: Liger's chunked losses
 and TRL's own copies of them alike) and got a distributed wrapper runs its whole ``compute_loss`` inside that
 wrapper's forward, while each other distributed model it holds (reference, teacher) has its weights held
-whole; a ``_compute_loss_liger`` given the wrapper gets the model it expects. No version number or class name
-decides anything.
+whole; a ``_compute_loss_liger`` given the wrapper gets the model it expects; a gather of the ZeRO-3 heads held
+around the whole training step starts with the loss, after the step's generation. No version number or class
+name decides anything.
 
 The obvious fix (route through TRL's ``_forward_redirection``) crashes: the Liger losses are compiled
 ``torch.func`` losses, and DDP's graph optimizer splits them inside the transform ("Cannot access storage of
@@ -255,9 +256,11 @@ def patch_trl(mode: Mode = "isolate", forward_redirection: bool = True) -> TrlPa
       where the trainer holds a fused linear loss and received a distributed wrapper, runs whole inside that
       wrapper's forward, while each distributed reference or teacher model it holds has its weights held whole
       (``Adapter.read_whole``: FSDP2 root, ZeRO-3 head); ``_compute_loss_liger``, where a class defines it, is
-      given the unwrapped model when a release passes it the wrapper. ``mode`` defaults to ``"isolate"``: the
-      losses are compiled ``torch.func`` losses that DDP's graph optimizer can fail to split, so they skip it
-      from the first call instead of failing once (a wasted compile) and falling back.
+      given the unwrapped model when a release passes it the wrapper; ``_get_liger_zero3_lm_head_gather_ctx``,
+      where a class defines it, gathers from the routed loss to the end of the step (its on-policy generation,
+      earlier in the step, gathers every parameter: DeepSpeed refuses the two nested). ``mode`` defaults to
+      ``"isolate"``: the losses are compiled ``torch.func`` losses that DDP's graph optimizer can fail to
+      split, so they skip it from the first call instead of failing once (a wasted compile) and falling back.
     - ``forward_redirection``: ``trl.models.utils._ForwardRedirection`` and every loaded TRL module's
       ``_ForwardRedirection`` become :class:`ForwardRedirection`, so trainers built from now on restore the
       forward on exceptions; a trainer built before, whose loss is routed whole, gets ours at its next step.
