@@ -37,7 +37,6 @@ import importlib.util
 import inspect
 import logging
 import sys
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -127,7 +126,7 @@ def _routed_compute_loss(original: Callable[..., Any], mode: Mode) -> Callable[.
         if redirection is not None and not isinstance(redirection, ForwardRedirection):
             # built before patch_trl: TRL's class would call the wrapper again from inside its forward
             self._forward_redirection = ForwardRedirection()
-        step = _step_gathers.get(self)
+        step = _step_gathers.get(id(self))
         if step is not None:
             step.start()  # before the companions: their heads, once gathered here, are left as they are
         held = [type(model).__name__]
@@ -176,8 +175,9 @@ class _StepGather:
             self.enter = None
 
 
-# trainer -> its running step's gather, deferred to the loss (see _head_gather_deferred)
-_step_gathers: weakref.WeakKeyDictionary[Any, _StepGather] = weakref.WeakKeyDictionary()
+# id(trainer) -> its running step's gather, deferred to the loss (see _head_gather_deferred). By id: some
+# releases' trainers are unhashable (KTO 1.0-1.1); the step removes its entry.
+_step_gathers: dict[int, _StepGather] = {}
 
 
 def _head_gather_deferred(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -197,12 +197,12 @@ def _head_gather_deferred(original: Callable[..., Any]) -> Callable[..., Any]:
         # runs, after the generation, and the step leaves it, as TRL's does.
         _seen(owner, "head gather from the loss to the end of the step")
         step = _StepGather(lambda: gather)
-        _step_gathers[self] = step
+        _step_gathers[id(self)] = step
         with step.stack:
             try:
                 yield
             finally:
-                _step_gathers.pop(self, None)
+                _step_gathers.pop(id(self), None)
 
     gather_context.__wrapperroute_original__ = original  # type: ignore[attr-defined]
     return gather_context
