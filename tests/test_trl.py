@@ -291,7 +291,7 @@ def test_patched_trainer_exact(pool: RankPool, references: Callable[[str], Any],
         assert before["errors"] or before["differ"] == before["params"] > 0, before
     # Under DDP, in sync as installed only through a redirection of its own. ZeRO-3 and FSDP2 reduce each gradient
     # from their own hooks whatever ran the forward: a Liger path outside it crashes on sharded weights there, or
-    # is in sync (GOLD on TRL 1.0-1.1 under ZeRO-3, KTO on 1.0-1.2 under FSDP2: both desync under DDP).
+    # is in sync (GOLD on TRL 1.0-1.1 under ZeRO-3, a desync under DDP; KTO on 1.0-1.2 under FSDP2).
     assert bug or before["redirection"] is not None or layout != "ddp", before
 
 
