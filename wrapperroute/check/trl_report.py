@@ -40,6 +40,10 @@ def liger_trainers() -> tuple[str, list[str], list[str]]:
             module = importlib.import_module(module_name)
         except ImportError:
             module = None
+        except Exception as error:  # SDFT on TRL 1.6-1.14 without PEFT: a NameError at import
+            left.append(f"wrapperroute: {module_name} fails to import ({type(error).__name__}: {error}): "
+                        f"{trainer_name} not checked")  # fmt: skip
+            continue
         config = getattr(module, config_name, None)
         if config is None or getattr(module, trainer_name, None) is None:
             left.append(f"wrapperroute: TRL {trl.__version__} has no {trainer_name}: not checked")
