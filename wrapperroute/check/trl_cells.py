@@ -29,19 +29,39 @@ LIGER_VOCAB, LIGER_HIDDEN = 8192, 64
 # Liger's Triton kernels need a GPU; the chunked DPO/KTO losses (pure torch) still run with these off.
 NO_TRITON = {"rope": False, "rms_norm": False, "swiglu": False, "cross_entropy": False,
              "fused_linear_cross_entropy": False}  # fmt: skip
-# name -> (module, config class, trainer class): TRL's trainers with a fused Liger loss, each looked up in the
-# installed TRL (GKD is experimental).
+# name -> (modules, config class, trainer class): TRL's trainers with a fused Liger loss, each looked up in the
+# installed TRL, in the first of its modules that has it (the distillation trainer moved out of trl.experimental
+# in 1.10).
 TRAINERS = {
-    "dpo": ("trl", "DPOConfig", "DPOTrainer"),
-    "kto": ("trl", "KTOConfig", "KTOTrainer"),
-    "grpo": ("trl", "GRPOConfig", "GRPOTrainer"),
-    "gkd": ("trl.experimental.gkd", "GKDConfig", "GKDTrainer"),
-    "distill": ("trl", "DistillationConfig", "DistillationTrainer"),
-    "gold": ("trl.experimental.gold", "GOLDConfig", "GOLDTrainer"),
-    "iwopd": ("trl.experimental.iw_opd", "IWOPDConfig", "IWOPDTrainer"),
-    "sdpo": ("trl.experimental.sdpo", "SDPOConfig", "SDPOTrainer"),
-    "sdft": ("trl.experimental.sdft", "SDFTConfig", "SDFTTrainer"),
+    "dpo": (("trl",), "DPOConfig", "DPOTrainer"),
+    "kto": (("trl",), "KTOConfig", "KTOTrainer"),
+    "grpo": (("trl",), "GRPOConfig", "GRPOTrainer"),
+    "gkd": (("trl.experimental.gkd",), "GKDConfig", "GKDTrainer"),
+    "distill": (("trl", "trl.experimental.distillation"), "DistillationConfig", "DistillationTrainer"),
+    "gold": (("trl.experimental.gold",), "GOLDConfig", "GOLDTrainer"),
+    "iwopd": (("trl.experimental.iw_opd",), "IWOPDConfig", "IWOPDTrainer"),
+    "sdpo": (("trl.experimental.sdpo",), "SDPOConfig", "SDPOTrainer"),
+    "sdft": (("trl.experimental.sdft",), "SDFTConfig", "SDFTTrainer"),
 }
+
+
+def trainer_classes(name: str) -> tuple[Any, Any] | None:
+    """(config class, trainer class) of ``TRAINERS[name]`` in the installed TRL, or None where it has neither.
+    An import that fails with anything but ImportError propagates (the caller names it)."""
+    import importlib
+
+    modules, config_name, trainer_name = TRAINERS[name]
+    for module_name in modules:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        config, trainer = getattr(module, config_name, None), getattr(module, trainer_name, None)
+        if config is not None and trainer is not None:
+            return config, trainer
+    return None
+
+
 # A tiny chat template (GKD's collator applies one); the words only need to be in the vocabulary.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w0{% endif %}"
 VARIANTS = ("unpatched", "patched", "naive")
@@ -245,11 +265,10 @@ def trl_step(trainer_name: str, variant: str, folder: str, layout: str = "ddp") 
     probe = GradProbe()
     liger_paths.clear()
     try:
-        import importlib
-
-        module_name, config_name, trainer_class = TRAINERS[trainer_name]
-        module = importlib.import_module(module_name)
-        config_cls, trainer_cls = getattr(module, config_name), getattr(module, trainer_class)
+        found = trainer_classes(trainer_name)
+        if found is None:
+            raise LookupError(f"the installed TRL has no {TRAINERS[trainer_name][2]}")
+        config_cls, trainer_cls = found
         _fill_model_folder(folder)
         with tempfile.TemporaryDirectory() as out, under(layout, probe):
             rows, config, extra = _setup(trainer_name, folder, layout)

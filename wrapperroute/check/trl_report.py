@@ -21,7 +21,7 @@ from typing import Any
 
 from .cell import REFERENCE_TOLERANCE as TOLERANCE
 from .console import UsageError, cut, last_error_line, rank_env
-from .trl_cells import TRAINERS, compare_ranks, trl_step
+from .trl_cells import TRAINERS, compare_ranks, trainer_classes, trl_step
 from .trl_layouts import LAYOUTS
 
 LAYOUT_NAMES = {"ddp": "DDP", "zero3": "ZeRO-3", "fsdp2": "FSDP2"}
@@ -35,19 +35,16 @@ def liger_trainers() -> tuple[str, list[str], list[str]]:
     from ..integrations.trl import fused_loss_trainers
 
     found, left = [], []
-    for name, (module_name, config_name, trainer_name) in TRAINERS.items():
+    for name, (modules, config_name, trainer_name) in TRAINERS.items():
         try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            module = None
+            found_classes = trainer_classes(name)
         except Exception as error:  # SDFT on TRL 1.6-1.14 without PEFT: a NameError at import
-            left.append(f"wrapperroute: {module_name} fails to import ({type(error).__name__}: {error}): "
+            left.append(f"wrapperroute: {', '.join(modules)} fails to import ({type(error).__name__}: {error}): "
                         f"{trainer_name} not checked")  # fmt: skip
             continue
-        config = getattr(module, config_name, None)
-        if config is None or getattr(module, trainer_name, None) is None:
+        if found_classes is None:
             left.append(f"wrapperroute: TRL {trl.__version__} has no {trainer_name}: not checked")
-        elif "use_liger_kernel" not in {field.name for field in dataclasses.fields(config)}:
+        elif "use_liger_kernel" not in {field.name for field in dataclasses.fields(found_classes[0])}:
             left.append(f"wrapperroute: TRL {trl.__version__}'s {config_name} has no use_liger_kernel: no Liger path")
         else:
             found.append(name)
