@@ -216,9 +216,10 @@ def _setup(trainer_name: str, folder: str, layout: str) -> tuple[list[dict[str, 
         # Greedy on-policy generation: sampled, ZeRO-3's rollouts differ from the reference's (0.0055 apart)
         config = {"top_k": 1, "max_completion_length": 4, "distillation_objective": "jsd"}
         return _chat_rows(8), config, {"teacher_model": teacher}
-    # The distillation trainer: a prompt from 1.10, chat messages in trl.experimental before (each reads its own)
+    # The distillation trainer: a prompt from 1.10, chat messages in trl.experimental before (each reads its own);
+    # greedy, as IW-OPD (trl.experimental's generates on-policy)
     rows = [prompt | chat for prompt, chat in zip(_prompt_rows(8), _chat_rows(8), strict=True)]
-    return rows, {"max_completion_length": 4}, {"teacher_model": teacher}
+    return rows, {"top_k": 1, "max_completion_length": 4}, {"teacher_model": teacher}
 
 
 def _fill_model_folder(folder: str) -> None:
