@@ -212,14 +212,13 @@ def _setup(trainer_name: str, folder: str, layout: str) -> tuple[list[dict[str, 
     if trainer_name in ("gkd", "gold"):  # off-policy only (lmbda 0): no generation, the step is the Liger JSD loss
         config = {"lmbda": 0.0, "seq_kd": False, "max_length": 16, "max_completion_length": 4}
         return _chat_rows(8), config, {"teacher_model": teacher}
+    # Greedy on-policy generation: sampled, ZeRO-3's rollouts differ from the reference's (0.0055 apart)
+    greedy = {"top_k": 1, "max_completion_length": 4}
     if trainer_name == "iwopd":  # its Liger path is the JSD objective; its collator reads chat messages
-        # Greedy on-policy generation: sampled, ZeRO-3's rollouts differ from the reference's (0.0055 apart)
-        config = {"top_k": 1, "max_completion_length": 4, "distillation_objective": "jsd"}
-        return _chat_rows(8), config, {"teacher_model": teacher}
-    # The distillation trainer: a prompt from 1.10, chat messages in trl.experimental before (each reads its own);
-    # greedy, as IW-OPD (trl.experimental's generates on-policy)
+        return _chat_rows(8), greedy | {"distillation_objective": "jsd"}, {"teacher_model": teacher}
+    # The distillation trainer: a prompt from 1.10, chat messages in trl.experimental before (each reads its own)
     rows = [prompt | chat for prompt, chat in zip(_prompt_rows(8), _chat_rows(8), strict=True)]
-    return rows, {"top_k": 1, "max_completion_length": 4}, {"teacher_model": teacher}
+    return rows, greedy, {"teacher_model": teacher}
 
 
 def _fill_model_folder(folder: str) -> None:

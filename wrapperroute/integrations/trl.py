@@ -126,9 +126,9 @@ def _routed_compute_loss(original: Callable[..., Any], mode: Mode) -> Callable[.
         if redirection is not None and not isinstance(redirection, ForwardRedirection):
             # built before patch_trl: TRL's class would call the wrapper again from inside its forward
             self._forward_redirection = ForwardRedirection()
-        step = _step_gathers.get(id(self))
-        if step is not None:
-            step.start()  # before the companions: their heads, once gathered here, are left as they are
+        start_gather = _pending_gathers.pop(id(self), None)
+        if start_gather is not None:
+            start_gather()  # before the companions: their heads, once gathered here, are left as they are
         held = [type(model).__name__]
         with contextlib.ExitStack() as stack:
             for attribute in _COMPANIONS:
@@ -162,22 +162,9 @@ def _unwrapping_liger(original: Callable[..., Any]) -> Callable[..., Any]:
     return _compute_loss_liger
 
 
-class _StepGather:
-    """TRL's gather of the ZeRO-3 heads for one training step, entered when the routed loss first runs."""
-
-    def __init__(self, enter: Callable[[], Any]) -> None:
-        self.enter: Callable[[], Any] | None = enter
-        self.stack = contextlib.ExitStack()
-
-    def start(self) -> None:
-        if self.enter is not None:
-            self.stack.enter_context(self.enter())
-            self.enter = None
-
-
-# id(trainer) -> its running step's gather, deferred to the loss (see _head_gather_deferred). By id: some
-# releases' trainers are unhashable (KTO 1.0-1.1); the step removes its entry.
-_step_gathers: dict[int, _StepGather] = {}
+# id(trainer) -> enters TRL's head gather into the running step, once: called by the routed loss (see
+# _head_gather_deferred). By id: some releases' trainers are unhashable (KTO 1.0-1.1); the step removes it.
+_pending_gathers: dict[int, Callable[[], Any]] = {}
 
 
 def _head_gather_deferred(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -196,13 +183,12 @@ def _head_gather_deferred(original: Callable[..., Any]) -> Callable[..., Any]:
         # ("Nested GatheredParameters contexts cannot overlap"): the routed loss enters TRL's gather when it
         # runs, after the generation, and the step leaves it, as TRL's does.
         _seen(owner, "head gather from the loss to the end of the step")
-        step = _StepGather(lambda: gather)
-        _step_gathers[id(self)] = step
-        with step.stack:
+        with contextlib.ExitStack() as step:
+            _pending_gathers[id(self)] = functools.partial(step.enter_context, gather)
             try:
                 yield
             finally:
-                _step_gathers.pop(id(self), None)
+                _pending_gathers.pop(id(self), None)
 
     gather_context.__wrapperroute_original__ = original  # type: ignore[attr-defined]
     return gather_context
