@@ -28,7 +28,8 @@ import bench_ranks  # noqa: E402
 import torch  # noqa: E402
 
 from wrapperroute import route_loss  # noqa: E402
-from wrapperroute.check.console import cache_env  # noqa: E402
+from wrapperroute.check.console import say_stale_locks  # noqa: E402
+from wrapperroute.check.extensions import cache_env  # noqa: E402
 from wrapperroute.ranks import RankPool  # noqa: E402
 
 
@@ -52,6 +53,7 @@ def main() -> int:
     args = parser.parse_args()
     # The CLI's caches (inductor, DeepSpeed's C++ build): shared with `wrapperroute check`, inherited by the ranks.
     os.environ.update(cache_env())
+    say_stale_locks(dict(os.environ))
     reps = 5 if args.quick else 31
     has_liger = importlib.util.find_spec("liger_kernel") is not None
     results: dict[str, Any] = {

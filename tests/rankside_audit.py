@@ -7,8 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wrapperroute.audit.exchange import SignatureExchange
 from wrapperroute.audit.replicas import Replica, compare
+from wrapperroute.crossrank import Exchange
 
 
 def compare_replicas(differ_at: str | None, extra_on_rank: int | None) -> dict[str, Any]:
@@ -23,11 +23,12 @@ def compare_replicas(differ_at: str | None, extra_on_rank: int | None) -> dict[s
         with torch.no_grad():
             params[differ_at].grad.add_(0.5)
     names = ["a", "b", "c"] + (["d"] if rank == extra_on_rank else [])
-    found = [Replica(f"ddp[0].{n}", "ddp", params[n], (), True) for n in names]
+    found = [Replica(f"ddp[0].{n}", params[n], (0, 1), True) for n in names]
     side = dist.new_group(backend="gloo")
-    compared, differences = compare(found, side, {id(p) for p in params.values()}, params=True)
+    finding = compare(found, side, {id(p) for p in params.values()}, params=True)
     dist.destroy_process_group(side)
-    return {"compared": compared, "differences": [(d.key, d.what, d.max_abs_diff) for d in differences]}
+    return {"compared": finding.compared,
+            "differences": [(d.key, d.what, d.max_abs_diff) for d in finding.differences]}  # fmt: skip
 
 
 def collectives_per_comparison(rounds: int) -> dict[str, Any]:
@@ -39,7 +40,7 @@ def collectives_per_comparison(rounds: int) -> dict[str, Any]:
     for param in params.values():
         param.grad = torch.randn_like(param)
     side = dist.new_group(backend="gloo")
-    exchange = SignatureExchange()
+    exchange = Exchange()
     counted = {"calls": 0}
     gather, gather_object = dist.all_gather, dist.all_gather_object
 
@@ -55,12 +56,11 @@ def collectives_per_comparison(rounds: int) -> dict[str, Any]:
     try:
         for round_ in range(rounds + 1):
             names = ["a", "b", "c"] if round_ < rounds or rank == 0 else ["a", "b"]
-            replicas = [Replica(f"ddp[0].{n}", "ddp", params[n], (), True) for n in names]
+            replicas = [Replica(f"ddp[0].{n}", params[n], (0, 1), True) for n in names]
             before = counted["calls"]
-            _, differences = compare(replicas, side, {id(p) for p in params.values()}, params=False,
-                                     exchange=exchange)  # fmt: skip
+            finding = compare(replicas, side, {id(p) for p in params.values()}, params=False, exchange=exchange)
             calls.append(counted["calls"] - before)
-            found.append(len(differences))
+            found.append(len(finding.differences))
     finally:
         dist.all_gather, dist.all_gather_object = gather, gather_object  # type: ignore[assignment]
         dist.destroy_process_group(side)
@@ -76,12 +76,12 @@ def compare_in_windows(position: int) -> dict[str, Any]:
     if rank == 1:
         with torch.no_grad():
             param.grad[position] += 0.5
-    replica = [Replica("ddp[0].big", "ddp", param, (), True)]
+    replica = [Replica("ddp[0].big", param, (0, 1), True)]
     side = dist.new_group(backend="gloo")
     found = {}
     for window in [*((part, 8) for part in range(8)), None]:
-        _, differences = compare(replica, side, {id(param)}, params=False, window=window)
-        found[str(window)] = [(d.what, d.max_abs_diff) for d in differences]
+        finding = compare(replica, side, {id(param)}, params=False, window=window)
+        found[str(window)] = [(d.what, d.max_abs_diff) for d in finding.differences]
     dist.destroy_process_group(side)
     return found
 

@@ -4,13 +4,13 @@ among the ranks that run the wrapper's step."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .adapters import Adapter
+from .crossrank import collective_device, side_group
 from .errors import RouteStateError
 
 log = logging.getLogger("wrapperroute")
@@ -23,22 +23,15 @@ def _recover(adapter: Adapter, wrapper: nn.Module) -> None:
         log.exception("wrapperroute: could not reset the %s wrapper after a failed step", adapter.kind)
 
 
-# the ranks that run a wrapper's step -> the side group agreement runs on
-_agree_groups: dict[tuple[int, ...], Any] = {}
-
-
 def _agree(adapter: Adapter, wrapper: nn.Module, error: BaseException | None) -> None:
     """Exchange one success flag with every rank of the wrapper's group; raise if any rank failed.
 
-    On a side group (created once per wrapper group, by its members only), so a rank that failed before one of
-    the wrapper's own collectives never pairs this all-reduce with that collective.
+    On a side group (made by the wrapper group's members only, again after the process group is re-created), so
+    a rank that failed before one of the wrapper's own collectives never pairs this all-reduce with it.
     """
-    ranks = adapter.step_ranks(wrapper) or tuple(dist.get_process_group_ranks(dist.group.WORLD))
-    side = _agree_groups.get(ranks)
-    if side is None:
-        side = _agree_groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-    backend = str(dist.get_backend(side))
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    ranks = adapter.step_ranks(wrapper) or tuple(range(dist.get_world_size()))
+    side = side_group(ranks)
+    device = collective_device(side)
     flags = torch.zeros(len(ranks), dtype=torch.int32, device=device)
     flags[ranks.index(dist.get_rank())] = error is not None
     dist.all_reduce(flags, group=side)

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from .check.cell import Cell, is_exact, run_cell
-from .check.console import UsageError, cut, last_error_line, rank_env
+from .check.console import UsageError, cut, last_error_line, rank_env, say_stale_locks
 from .check.losses import LOSSES
 from .check.wrappers import WRAPPERS, WrapperCase
 
@@ -136,8 +136,11 @@ def check(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
     progress = sys.stderr
-    with RankPool(args.nproc, env=rank_env(args.verbose)) as pool:
+    env = rank_env(args.verbose)
+    with RankPool(args.nproc, env=env) as pool:
         for index, (wrapper, loss, routed) in enumerate(cells, 1):
+            if WRAPPERS[wrapper].requires == "deepspeed":  # its first use builds a C++ op: never wait silently
+                say_stale_locks(env)
             path = "routed" if routed else "unrouted"
             print(f"[{index}/{len(cells)}] {wrapper} / {loss} / {path} ...", end="", file=progress, flush=True)
             cell = Cell(wrapper=wrapper, loss=loss, routed=routed, steps=args.steps)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -12,6 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .adapters._copies import group_copies
+from .adapters.base import Replica
+from .crossrank import Row, compare
 from .detect import detect
 from .errors import GradSyncError, RouteStateError
 
@@ -22,10 +26,11 @@ class SyncReport:
 
     kind: str
     compared: int  # parameters compared across ranks
-    differing: int  # of those, how many differ on some rank
-    max_abs_diff: float
+    differing: int  # of those, how many differ on some rank (NaN beside a number differs)
+    max_abs_diff: float  # the largest difference between finite values (inf: a gradient absent on some rank)
     worst: tuple[tuple[str, float], ...] = field(default=())  # (name, max abs diff), worst first
     note: str = ""
+    nonfinite: tuple[str, ...] = ()  # gradients holding NaN or inf, whether or not they differ
 
     @property
     def in_sync(self) -> bool:
@@ -38,6 +43,9 @@ class SyncReport:
             f"{self.kind:<10} {f'{self.differing} / {self.compared}':>18} {self.max_abs_diff:>13.3g}",
         ]
         lines += [f"  {name}: {diff:.3g}" for name, diff in self.worst]
+        if self.nonfinite:
+            shown = ", ".join(self.nonfinite[:5]) + (" ..." if len(self.nonfinite) > 5 else "")
+            lines.append(f"non-finite (NaN or inf) gradients: {len(self.nonfinite)}: {shown}")
         if self.note:
             lines.append(self.note)
         return "\n".join(lines)
@@ -47,14 +55,19 @@ class SyncReport:
 
 
 def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None, top: int = 5) -> SyncReport:
-    """Compare every parameter's gradient across the ranks of ``group``; call on every rank after backward.
+    """Compare every replicated parameter's gradient with its copies on the other ranks; call on every rank
+    after backward.
 
-    Cheap by default: one all-gather of two float64 checksums per parameter; only parameters whose checksums
-    differ are gathered in full to measure the difference. Replicated wrappers (DDP, composable ``replicate``
-    and its FSDP2-based form, or no wrapper) must hold identical gradients. Sharded wrappers (FSDP1/2, DeepSpeed)
-    hold a different shard on each rank by design,
-    so their local gradients are not compared; the report says so (a sharded loss computed outside the
-    wrapper fails loudly instead: 1-D shards, DTensor mixes, 0-element ZeRO-3 weights).
+    Which ranks hold copies is the wrapper's to say: DDP's process group, composable ``replicate``'s (one
+    dimension of a mesh, say), the replicate dimension of an FSDP2 HSDP mesh; a model with no wrapper is
+    compared across every rank. Sharded parameters (FSDP, ZeRO) have no copies and are not compared (a sharded
+    loss computed outside the wrapper fails loudly instead: 1-D shards, DTensor mixes, 0-element ZeRO-3
+    weights). ``group``: compare every gradient across the ranks of this group instead.
+
+    Cheap: one all-gather of one signature per gradient; only gradients whose signatures differ, or hold NaN or
+    inf, are sent whole and compared as values. A gradient NaN on one rank and finite on another differs;
+    NaN identical on every rank does not, and is listed in ``nonfinite``. A parameter with no gradient counts as
+    zeros.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RouteStateError(
@@ -62,56 +75,40 @@ def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None,
             "in a single process there is nothing to compare"
         )
     found = detect(model)
-    if found.adapter is not None and found.adapter.shards:
+    if group is not None:
+        copies = group_copies(group)
+        replicas = [Replica(n, p, copies) for n, p in found.inner.named_parameters() if p.requires_grad]
+    elif found.adapter is None:
+        replicas = [Replica(n, p, group_copies(None)) for n, p in found.inner.named_parameters() if p.requires_grad]
+    else:
+        replicas = [r for r in found.adapter.replicas(found.wrapper) if r.grads]  # type: ignore[arg-type]
+    if not replicas:
         return SyncReport(
-            found.kind, 0, 0, 0.0, note=f"{found.kind} shards gradients: local shards differ by design, not compared"
-        )
-    named = [(n, p) for n, p in found.inner.named_parameters() if p.requires_grad]
-    grads = [(n, _local(p.grad.detach() if p.grad is not None else torch.zeros_like(p))) for n, p in named]
-    diffs = sorted(compare_across_ranks(grads, group=group), key=lambda item: -item[1])
-    differing = sum(1 for _, d in diffs if d > 0)
+            found.kind, 0, 0, 0.0,
+            note=f"{found.kind} shards every gradient: local shards differ by design, not compared",
+        )  # fmt: skip
+    rows = [Row(r.name, _local(_grad_or_zeros(r.param)), r.copies) for r in replicas]
+    outcome = compare(rows, group)
+    # NaN where a non-finite value stands beside another value: no finite difference says it
+    worst = tuple((m.key, math.nan if m.nonfinite else m.max_abs_diff) for m in outcome.mismatches)
+    finite = [m.max_abs_diff for m in outcome.mismatches]
+    nonfinite = {m.key for m in outcome.mismatches if m.nonfinite} | set(outcome.nonfinite)
     return SyncReport(
-        found.kind, len(named), differing, diffs[0][1] if diffs else 0.0, tuple(d for d in diffs[:top] if d[1] > 0)
+        found.kind,
+        len(rows),
+        len(outcome.mismatches),
+        max(finite, default=0.0),
+        worst[:top],
+        nonfinite=tuple(sorted(nonfinite)),
     )
 
 
-def compare_across_ranks(
-    grads: list[tuple[str, torch.Tensor]], *, group: dist.ProcessGroup | None = None, whole: bool = False
-) -> list[tuple[str, float]]:
-    """``(name, max abs difference across the ranks of group)`` for each tensor of ``grads`` (in order, the
-    same names on every rank); every rank calls it. By default one all-gather of two float64 checksums per
-    tensor (sum and sum of squares), then only the tensors whose checksums differ are gathered whole to measure
-    the difference; the others count 0. ``whole=True`` gathers every tensor whole (the test suite's exact
-    comparison: no pair of differing tensors can share both checksums)."""
-    world = dist.get_world_size(group)
-    if whole:
-        suspects = list(range(len(grads)))
-    else:
-        checksums = (
-            torch.stack([torch.stack([g.double().sum(), g.double().square().sum()]) for _, g in grads])
-            if grads
-            else torch.zeros(0, 2, dtype=torch.float64)
-        )
-        gathered = [torch.empty_like(checksums) for _ in range(world)]
-        dist.all_gather(gathered, checksums, group=group)
-        stacked = torch.stack(gathered)
-        suspects = [i for i in range(len(grads)) if not bool((stacked[:, i] == stacked[0, i]).all())]
-    diffs = [0.0] * len(grads)
-    if suspects:  # every rank computed the same suspect list from the same gathered checksums
-        flat = torch.cat([grads[i][1].reshape(-1).float() for i in suspects])
-        everyone = [torch.empty_like(flat) for _ in range(world)]
-        dist.all_gather(everyone, flat, group=group)
-        offset = 0
-        for i in suspects:
-            size = grads[i][1].numel()
-            pieces = [e[offset : offset + size] for e in everyone]
-            diffs[i] = max(float((p - pieces[0]).abs().max()) if size else 0.0 for p in pieces)
-            offset += size
-    return [(name, diff) for (name, _), diff in zip(grads, diffs, strict=True)]
+def _grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
+    return param.grad.detach() if param.grad is not None else torch.zeros_like(param)
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor's local copy (replicate built on FSDP2); any other tensor as it is."""
+    """A DTensor's local part; any other tensor as it is."""
     to_local = getattr(grad, "to_local", None)
     return to_local() if callable(to_local) else grad
 

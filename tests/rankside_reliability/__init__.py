@@ -53,7 +53,7 @@ def snapshot(wrapped: Wrapped) -> dict[str, Any]:
         "target_forward": "forward" in target.__dict__,
         "wrapper_forward": found.wrapper is not target and "forward" in found.wrapper.__dict__,
         "hooks": hook_count(wrapped.model),
-        "in_forward": found.adapter.in_forward(found.wrapper),
+        "in_forward": found.adapter.marks_forward(found.wrapper),
         "active_ddp": DDP._active_ddp_module is not None,
         "grad_enabled": torch.is_grad_enabled(),
     }

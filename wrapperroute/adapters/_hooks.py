@@ -2,10 +2,11 @@
 inside the module's forward, its forward hooks are set aside, so a loss that calls the model again gets a plain
 forward instead of a second pre/post-forward (a second unshard/reshard, a re-armed reducer).
 
-The hook dicts are set aside, not cleared in place (they are the wrapper's own objects), all four in one dict
-update each way, and recorded: a Ctrl-C landing between two Python calls (even in contextlib's own frames,
-leaving the generator suspended) must not leave the module without hooks; ``put_hooks_back`` in the adapter's
-``recover()`` puts back whatever is still aside.
+The hook dicts are emptied in place and refilled, never replaced: they are the module's own objects, and a
+hook the loss registers meanwhile (its handle pointing at the same dict) is kept, after the ones set aside.
+What was set aside is recorded before anything is emptied, and what the loss added is recorded before
+anything is refilled, so a Ctrl-C landing between two Python calls (even in contextlib's own frames, leaving
+the generator suspended) loses nothing: ``put_hooks_back`` in the adapter's ``recover()`` finishes the job.
 """
 
 from __future__ import annotations
@@ -14,14 +15,22 @@ import contextlib
 import types
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs")
 
-# Hook dicts set aside while a loss runs, until put back (by the loss's exit, or by recover() after a fault).
-_set_aside: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+@dataclass
+class _Aside:
+    hooks: dict[str, dict[Any, Any]]  # each hook dict's entries when set aside
+    added: dict[str, dict[Any, Any]] = field(default_factory=dict)  # what the loss registered, once read
+
+
+# Hooks set aside while a loss runs, until put back (by the loss's exit, or by recover() after a fault).
+_set_aside: weakref.WeakKeyDictionary[nn.Module, _Aside] = weakref.WeakKeyDictionary()
 
 
 _CALL_IMPL = nn.Module._call_impl.__code__
@@ -37,13 +46,27 @@ def modules_being_called(frame: types.FrameType | None) -> Iterator[nn.Module]:
         frame = frame.f_back
 
 
-def put_hooks_back(module: nn.Module, saved: dict[str, Any] | None = None) -> None:
-    """Put back the module's hooks still set aside (``saved``: only those; a generator closed late must not put
-    back over a later step's). No-op when none are aside."""
+def called_here(module: nn.Module, frame: types.FrameType | None) -> bool:
+    """Whether ``module``'s ``__call__`` is running in ``frame`` or its callers: this thread's stack, never state
+    another thread, or a forward that raised, may have left behind."""
+    return any(called is module for called in modules_being_called(frame))
+
+
+def put_hooks_back(module: nn.Module, saved: _Aside | None = None) -> None:
+    """Put back the module's hooks still set aside, before any the loss registered meanwhile (``saved``: only
+    those; a generator closed late must not put back over a later step's). No-op when none are aside."""
     aside = _set_aside.get(module)
     if aside is None or (saved is not None and aside is not saved):
         return
-    module.__dict__.update(aside)
+    attributes = module.__dict__
+    for name in _HOOK_DICTS:
+        if name not in aside.added:  # read once: a second pass (after an interrupt) must not read half-refilled
+            aside.added[name] = dict(attributes[name])
+    for name in _HOOK_DICTS:
+        hooks = attributes[name]
+        hooks.clear()
+        hooks.update(aside.hooks[name])
+        hooks.update(aside.added[name])
     del _set_aside[module]  # last: until the hooks are back, recover() must still find them
 
 
@@ -52,10 +75,11 @@ def hooks_set_aside(module: nn.Module) -> Iterator[None]:
     """The module's forward hooks set aside for the length of the block (its pre-hooks have run already, and
     ``nn.Module.__call__`` reads the post-hooks after the forward returns, so both still run for this call)."""
     attributes = module.__dict__
-    saved = {name: attributes[name] for name in _HOOK_DICTS}
-    _set_aside[module] = saved
+    aside = _Aside({name: dict(attributes[name]) for name in _HOOK_DICTS})
+    _set_aside[module] = aside
     try:
-        attributes.update({name: type(hooks)() for name, hooks in saved.items()})
+        for name in _HOOK_DICTS:
+            attributes[name].clear()
         yield
     finally:
-        put_hooks_back(module, saved)
+        put_hooks_back(module, aside)

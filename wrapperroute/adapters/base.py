@@ -32,12 +32,38 @@ only where a fact says they matter.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
+from ._hooks import called_here
+
 NOTHING = contextlib.nullcontext()  # reusable and re-entrant: the default ``inside``
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A tensor that other ranks hold copies of: what :meth:`Adapter.replicas` returns, and what every cross-rank
+    comparison (``check_grad_sync``, the audit) compares.
+
+    name
+        The parameter's name under the wrapper's inner module.
+    param
+        The parameter (a ``DTensor``'s local part is what is compared).
+    copies
+        The global ranks whose copy must equal this rank's, this rank included: the same tuple on each of them.
+    grads
+        Whether its gradient is replicated too (not for DeepSpeed ZeRO 1-2, whose gradients are partitioned).
+    """
+
+    name: str
+    param: torch.Tensor
+    copies: tuple[int, ...]
+    grads: bool = True
 
 
 class Layer:
@@ -99,10 +125,16 @@ class Adapter(Layer):
         """The module whose ``forward`` the wrapper's forward calls: its forward is swapped for the loss."""
         return self.peel(wrapper)
 
-    def in_forward(self, wrapper: nn.Module) -> bool:
-        """Whether this thread is inside the wrapper's own forward right now (routing again would re-enter it).
-        A query: it changes nothing."""
+    def marks_forward(self, wrapper: nn.Module) -> bool:
+        """Whether the wrapper's own state says a forward is running (FSDP's training state, ZeRO-3's flag). Cheap
+        and process-wide, so not proof: another thread's forward sets it too, and a forward that raised leaves it
+        set until the wrapper's next forward repairs it."""
         return False
+
+    def in_forward(self, wrapper: nn.Module) -> bool:
+        """Whether this thread is inside the wrapper's own forward right now (routing again would re-enter it):
+        the wrapper's mark, confirmed by this thread's stack. A query: it changes nothing."""
+        return self.marks_forward(wrapper) and called_here(wrapper, sys._getframe(1))
 
     def repair(self, wrapper: nn.Module) -> None:
         """Before a routed call enters the wrapper (adapters with ``repairs``): put right process-wide state that
@@ -151,6 +183,11 @@ class Adapter(Layer):
         """The global ranks that all run this wrapper's step (``agree=True`` exchanges its flag among them);
         None: every rank of the default group."""
         return None
+
+    def replicas(self, wrapper: nn.Module) -> list[Replica]:
+        """The parameters this wrapper keeps replicated, each with the ranks holding its copies: what a desync
+        makes differ. The default: none (a wrapper that shards every parameter)."""
+        return []
 
     def read_whole(self, wrapper: nn.Module) -> contextlib.AbstractContextManager[Any]:
         """Context entered *outside* the wrapper's forward in which a frozen model's weights that a loss reads

@@ -28,7 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
 from ..errors import RouteValueError
-from .base import NOTHING, Adapter
+from ._copies import group_copies
+from .base import NOTHING, Adapter, Replica
 
 log = logging.getLogger("wrapperroute")
 
@@ -83,6 +84,14 @@ class DDPAdapter(Adapter):
 
     def step_ranks(self, wrapper: nn.Module) -> tuple[int, ...] | None:
         return group_ranks(wrapper.process_group)
+
+    def replicas(self, wrapper: nn.Module) -> list[Replica]:
+        return replicated(self.peel(wrapper), group_copies(wrapper.process_group))
+
+
+def replicated(module: nn.Module, copies: tuple[int, ...]) -> list[Replica]:
+    """Every trainable parameter of ``module``, each a copy of the same parameter on the ranks ``copies``."""
+    return [Replica(name, param, copies) for name, param in module.named_parameters() if param.requires_grad]
 
 
 def _check_reachable(wrapper: nn.Module, result: Any) -> None:

@@ -27,9 +27,10 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import nn
 
 from ..errors import RouteValueError
+from ._copies import group_copies
 from ._units import output_embedding
-from .base import Adapter
-from .ddp import group_ranks
+from .base import Adapter, Replica
+from .ddp import group_ranks, replicated
 
 
 def _stage(engine: DeepSpeedEngine) -> int:
@@ -54,7 +55,16 @@ class DeepSpeedAdapter(Adapter):
         # The engine's data-parallel group (the world minus model-parallel dimensions), not simply WORLD.
         return group_ranks(getattr(wrapper, "data_parallel_group", None))
 
-    def in_forward(self, wrapper: nn.Module) -> bool:
+    def replicas(self, wrapper: nn.Module) -> list[Replica]:
+        # ZeRO 0-2 keep every parameter whole on each rank of the data-parallel group (not the world: model
+        # parallelism through an mpu splits it); gradients live in the optimizer's partitions. ZeRO-3 partitions.
+        engine: DeepSpeedEngine = wrapper
+        if _stage(engine) == 3:
+            return []
+        copies = group_copies(getattr(engine, "data_parallel_group", None))
+        return [Replica(r.name, r.param, r.copies, grads=False) for r in replicated(engine.module, copies)]
+
+    def marks_forward(self, wrapper: nn.Module) -> bool:
         # Only ZeRO-3 leaves a trace of a running forward: its prologue flags every module's parameter dict.
         params = self.peel(wrapper)._parameters
         return bool(getattr(params, "_in_forward", False))
@@ -87,7 +97,7 @@ class DeepSpeedAdapter(Adapter):
         _drop_kept_epilogue(engine)  # still in when an interrupt left _keep_in_forward suspended: it must not run
         if _stage(engine) != 3:
             return
-        if self.in_forward(engine):
+        if self.marks_forward(engine):
             engine._forward_epilogue()
         engine.empty_partition_cache()
 

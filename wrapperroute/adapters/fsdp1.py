@@ -43,10 +43,11 @@ class FSDP1Adapter(Adapter):
         target: nn.Module = wrapper._fsdp_wrapped_module  # type: ignore[assignment]
         return target
 
-    def in_forward(self, wrapper: nn.Module) -> bool:
+    def marks_forward(self, wrapper: nn.Module) -> bool:
         handle = getattr(wrapper, "_handle", None)
-        state = getattr(handle, "_training_state", None)
-        return state is not None and state.name == "FORWARD"
+        if handle is None:  # a root without parameters of its own: its state spans forward to backward
+            return getattr(getattr(wrapper, "training_state", None), "name", None) == "FORWARD_BACKWARD"
+        return getattr(handle, "_training_state", None) is not None and handle._training_state.name == "FORWARD"
 
     def describe(self, wrapper: nn.Module) -> dict[str, Any]:
         return {

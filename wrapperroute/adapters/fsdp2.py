@@ -28,9 +28,10 @@ try:  # torch >= 2.10: replicate() built on FSDP2 (a ReplicateModule is an FSDPM
 except ImportError:
     ReplicateModule = None  # type: ignore[assignment,misc]
 
+from ._copies import dtensor_copies
 from ._hooks import hooks_set_aside, put_hooks_back
 from ._units import units_for
-from .base import Adapter
+from .base import Adapter, Replica
 
 _auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = weakref.WeakKeyDictionary()
 
@@ -52,7 +53,7 @@ class FSDP2Adapter(Adapter):
     def peel(self, module: nn.Module) -> nn.Module:
         return module
 
-    def in_forward(self, wrapper: nn.Module) -> bool:
+    def marks_forward(self, wrapper: nn.Module) -> bool:
         state = wrapper._get_fsdp_state()  # type: ignore[operator]
         return getattr(state, "_training_state", None) is not None and state._training_state.name == "FORWARD"
 
@@ -100,6 +101,16 @@ class FSDP2Adapter(Adapter):
         self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]
     ) -> contextlib.AbstractContextManager[Any]:
         return hooks_set_aside(wrapper)
+
+    def replicas(self, wrapper: nn.Module) -> list[Replica]:
+        # A parameter's local part is copied on the ranks of its mesh that share this rank's coordinates on the
+        # dimensions it is sharded over: HSDP's replicate dimension, replicate()'s whole mesh; none for FSDP.
+        found = []
+        for name, param in wrapper.named_parameters():
+            copies = dtensor_copies(param)
+            if copies is not None and len(copies) > 1 and param.requires_grad:
+                found.append(Replica(name, param, copies))
+        return found
 
     @contextlib.contextmanager
     def read_whole(self, wrapper: nn.Module) -> Iterator[None]:

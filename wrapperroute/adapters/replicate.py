@@ -15,7 +15,6 @@ under DDP (see ``ddp.py``).
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,9 +23,10 @@ from torch.distributed._composable.replicate import DDP as ComposableDDP
 from torch.distributed._composable.replicate import replicate
 from torch.nn.parallel import DistributedDataParallel
 
-from ._hooks import hooks_set_aside, modules_being_called, put_hooks_back
-from .base import Adapter
-from .ddp import check_loss_reachable, concurrency_reason, group_ranks, without_graph_optimizer
+from ._copies import group_copies
+from ._hooks import hooks_set_aside, put_hooks_back
+from .base import Adapter, Replica
+from .ddp import check_loss_reachable, concurrency_reason, group_ranks, replicated, without_graph_optimizer
 
 
 def _ddp_of(module: nn.Module) -> DistributedDataParallel | None:
@@ -56,12 +56,9 @@ class ReplicateAdapter(Adapter):
     def peel(self, module: nn.Module) -> nn.Module:
         return module
 
-    def in_forward(self, wrapper: nn.Module) -> bool:
-        active = DistributedDataParallel._active_ddp_module
-        if active is None or active is not _ddp_of(wrapper):  # set by the pre-hook, cleared by the post-hook
-            return False
-        # the marker is process-wide: this thread's stack decides
-        return any(module is wrapper for module in modules_being_called(sys._getframe(1)))
+    def marks_forward(self, wrapper: nn.Module) -> bool:
+        active = DistributedDataParallel._active_ddp_module  # set by the pre-hook, cleared by the post-hook
+        return active is not None and active is _ddp_of(wrapper)
 
     def describe(self, wrapper: nn.Module) -> dict[str, Any]:
         return {
@@ -93,7 +90,21 @@ class ReplicateAdapter(Adapter):
         return concurrency_reason(ddp, grad, grad_calls)
 
     def step_ranks(self, wrapper: nn.Module) -> tuple[int, ...] | None:
-        return group_ranks(_option(wrapper, "process_group", None))
+        return group_ranks(_process_group(wrapper))
+
+    def replicas(self, wrapper: nn.Module) -> list[Replica]:
+        return replicated(wrapper, group_copies(_process_group(wrapper)))
+
+
+def _process_group(module: nn.Module) -> Any:
+    """The group its DDP all-reduces over: the built DDP's, else what ``replicate()`` was given (a process group,
+    or a device mesh: one dimension of a larger mesh), else None (the default group)."""
+    ddp = _ddp_of(module)
+    if ddp is not None:
+        return ddp.process_group
+    group = _option(module, "process_group", None)
+    mesh = _option(module, "device_mesh", None)
+    return group if group is not None or mesh is None else mesh.get_group()
 
 
 def requires_gradient_sync(module: nn.Module) -> bool:

@@ -12,6 +12,6 @@ instead of drifting.
 from __future__ import annotations
 
 from .runner import main
-from .session import DESYNC_EXIT, Audit
+from .session import AUDIT_FAILED_EXIT, DESYNC_EXIT, Audit
 
-__all__ = ["DESYNC_EXIT", "Audit", "main"]
+__all__ = ["AUDIT_FAILED_EXIT", "DESYNC_EXIT", "Audit", "main"]

@@ -2,8 +2,9 @@
 rank its launcher started, and report whether its data-parallel replicas stayed in sync.
 
 Exit status: 0 when every audited step was in sync (or nothing could be audited, said in the final line);
-3 when a desync was found, whatever the script returned; otherwise the script's own (1 for an exception it
-raised, 130 for Ctrl-C, its ``sys.exit`` code).
+3 when a desync was found, whatever the script returned; 4 when the audit itself failed (the script ran on,
+unaudited; the final line says why) and the script ended well; otherwise the script's own (1 for an
+exception it raised, 130 for Ctrl-C, its ``sys.exit`` code).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from ..errors import GradSyncError
-from .session import DESYNC_EXIT, Audit, DesyncExit, OnDesync, rank
+from .session import AUDIT_FAILED_EXIT, DESYNC_EXIT, Audit, DesyncExit, OnDesync, rank
 
 USAGE = (
     "usage: wrapperroute audit [--steps K|all] [--json PATH] [--on-desync exit|raise|warn] "
@@ -98,6 +99,8 @@ def main(argv: list[str]) -> int:
         audit.uninstall()
     if audit.desync:
         status = DESYNC_EXIT
+    elif audit.failure is not None and status == 0:
+        status = AUDIT_FAILED_EXIT
     final = audit.final_line(failure)
     if rank() == 0:
         sys.stdout.write(final + "\n")  # one write: other ranks' output cannot land inside the line

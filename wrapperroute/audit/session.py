@@ -15,13 +15,16 @@ numerics are those of a run without the audit.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
-import math
 import os
+import sys
+import traceback
 import warnings
 import weakref
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -30,12 +33,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from .. import crossrank
+from ..adapters import Adapter
 from ..errors import GradSyncError
-from .exchange import SignatureExchange
-from .replicas import _SEQ, Comparison, Difference, compare, compare_later, replicas, wrappers
+from .replicas import _SEQ, Comparison, Difference, Finding, compare, compare_later, replicas, wrappers
+from .report import final_line, format_checkpoint, report
 
 OnDesync = Literal["exit", "raise", "warn"]
 DESYNC_EXIT = 3  # the exit status of a run in which a desync was found
+AUDIT_FAILED_EXIT = 4  # the audit itself failed (the script ran on, unaudited), and found no desync before
 # Auditing every step (``--steps all``), the parameters are compared whole on every 8th audited step (and at
 # the end), and each step's gradient signatures read one eighth of each large gradient, a different eighth
 # each step: reading whole tensors is what an audited step costs (memory, not arithmetic), a drift of the
@@ -54,6 +60,7 @@ class Checkpoint:
     label: str
     compared: int
     differences: list[Difference] = field(default_factory=list)
+    nonfinite: list[tuple[str, str]] = field(default_factory=list)  # (key, what): NaN or inf alike on every copy
 
 
 class Audit:
@@ -65,14 +72,15 @@ class Audit:
         self.kinds: set[str] = set()
         self.finished = False
         self.stepped = False  # some optimizer stepped while several ranks ran
-        self._side: Any = group  # the gloo group comparisons run on; None: one made at the first audited step
-        self._exchange = SignatureExchange()
+        self.failure: str | None = None  # the audit's own error, once it failed (it audits nothing after)
+        self._group = group  # the gloo group comparisons run on; None: crossrank's side group
+        self._exchange = crossrank.Exchange()
         # optimizer id -> (label, comparison) started before its step, finished after it
         self._pending: dict[int, tuple[str, Comparison]] = {}
         self._optimizers: dict[int, tuple[int, int]] = {}  # id -> (index in first-step order, steps seen)
         # The wrappers found by the last scan of the process's objects (weakly: the audit keeps no model alive).
         # Scanned again for an optimizer not seen before, or when one of them is gone.
-        self._wrappers: list[tuple[str, weakref.ref[nn.Module]]] | None = None
+        self._wrappers: list[tuple[Adapter, weakref.ref[nn.Module]]] | None = None
         self._undo: list[Any] = []
 
     # --- installing -------------------------------------------------------------------------------------
@@ -93,9 +101,11 @@ class Audit:
         destroy = dist.destroy_process_group
 
         def destroy_after_audit(group: Any = None) -> None:
-            if group is None and not self.finished:
+            if group is None:
                 self.finish()  # the last comparison needs the group the script is about to destroy
             destroy(group)
+            if group is None:
+                self._next_process_group()
 
         dist.destroy_process_group = destroy_after_audit
         self._undo.append(lambda: setattr(dist, "destroy_process_group", destroy))
@@ -104,63 +114,94 @@ class Audit:
         while self._undo:
             self._undo.pop()()
 
+    def _next_process_group(self) -> None:
+        """The default group is gone: a script that initialises another (a sweep of runs in one process) is
+        audited afresh on it, its wrappers scanned again, its comparisons on a side group of its own."""
+        if self.failure is None and not isinstance(self._group, _Destroyed):
+            self.finished = False
+        self._pending.clear()
+        self._exchange = crossrank.Exchange()
+        self._wrappers = None
+        if self._group is not None:
+            self._group = _Destroyed()
+
     # --- auditing ---------------------------------------------------------------------------------------
 
     def _running(self) -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
     def _side_group(self) -> Any:
-        if self._side is None:  # created by every rank at the same point: their first audited step
-            self._side = dist.new_group(backend="gloo")
-        return self._side
+        if self._group is None:  # made by every rank at the same point: their first audited step
+            return crossrank.side_group(backend="gloo")
+        return self._group
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._finish_pending(id(optimizer))  # a step that raised never reached _after_step
-        index, seen = self._optimizers.get(id(optimizer), (len(self._optimizers), 0))
-        self._optimizers[id(optimizer)] = (index, seen + 1)
-        if self.finished or not self._running():
-            return
-        self.stepped = True
-        if self.steps is not None and seen >= self.steps:
-            return
-        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        label = f"step {seen + 1}" + (f" of optimizer {index + 1}" if index else "")
-        every = self.steps is None
-        params = not every or seen % PARAMS_EVERY == 0
-        window = (seen % PARAMS_EVERY, PARAMS_EVERY) if every else None
-        found = self._replicas(rescan=seen == 0)
-        if found:  # the signatures exchanged while the optimizer steps; the verdict after it
-            comparison = compare_later(found, self._side_group(), ids, params, self._exchange, window)
-            self._pending[id(optimizer)] = (label, comparison)
+        with self._guarded():
+            self._finish_pending(id(optimizer))  # a step that raised never reached _after_step
+            index, seen = self._optimizers.get(id(optimizer), (len(self._optimizers), 0))
+            self._optimizers[id(optimizer)] = (index, seen + 1)
+            if self.finished or not self._running():
+                return
+            self.stepped = True
+            if self.steps is not None and seen >= self.steps:
+                return
+            ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            label = f"step {seen + 1}" + (f" of optimizer {index + 1}" if index else "")
+            every = self.steps is None
+            params = not every or seen % PARAMS_EVERY == 0
+            window = (seen % PARAMS_EVERY, PARAMS_EVERY) if every else None
+            found = self._replicas(rescan=seen == 0)
+            if found:  # the signatures exchanged while the optimizer steps; the verdict after it
+                comparison = compare_later(found, self._side_group(), ids, params, self._exchange, window)
+                self._pending[id(optimizer)] = (label, comparison)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._finish_pending(id(optimizer))
+        with self._guarded():
+            self._finish_pending(id(optimizer))
+
+    @contextlib.contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """The audit must never end the run it watches: an error of its own (not a desync it reports) is
+        recorded, said once, and the audit stops; the script goes on."""
+        try:
+            yield
+        except (DesyncExit, GradSyncError):
+            raise
+        except Exception as error:
+            if self.failure is None:
+                self.failure = f"{type(error).__name__}: {error}"
+                if rank() == 0:
+                    print("wrapperroute audit: the audit itself failed (the script goes on, unaudited):\n"
+                          + traceback.format_exc(), file=sys.stderr, flush=True)  # fmt: skip
+            self.finished = True
+            self._pending.clear()
 
     def _finish_pending(self, key: int | None = None) -> None:
         """Finish the comparison started before ``key``'s step (None: every one, in the order started)."""
         for pending in [key] if key is not None else list(self._pending):
             started = self._pending.pop(pending, None)
             if started is not None:
-                self._record(started[0], *started[1].result())
+                self._record(started[0], started[1].result())
 
     def finish(self) -> None:
-        """The last comparison (parameters only). Every rank calls it, once."""
+        """The last comparison (parameters only). Every rank calls it, once per process group."""
         if self.finished:
             return
-        if self._running():
-            self._finish_pending()
-        self._pending.clear()
-        self.finished = True
-        if self._running() and self.checkpoints:
-            found = self._replicas(rescan=False)
-            if found:
-                self._record("end", *compare(found, self._side_group(), None, True, self._exchange))
+        with self._guarded():
+            if self._running():
+                self._finish_pending()
+            self._pending.clear()
+            self.finished = True
+            if self._running() and self.checkpoints:
+                found = self._replicas(rescan=False)
+                if found:
+                    self._record("end", compare(found, self._side_group(), None, True, self._exchange))
 
-    def _known(self, rescan: bool) -> list[tuple[str, nn.Module]]:
-        alive = [(kind, ref()) for kind, ref in self._wrappers or ()]
+    def _known(self, rescan: bool) -> list[tuple[Adapter, nn.Module]]:
+        alive = [(adapter, ref()) for adapter, ref in self._wrappers or ()]
         if rescan or self._wrappers is None or any(wrapper is None for _, wrapper in alive):
             found = wrappers()
-            self._wrappers = [(kind, weakref.ref(wrapper)) for kind, wrapper in found]
+            self._wrappers = [(adapter, weakref.ref(wrapper)) for adapter, wrapper in found]
             return found
         return alive  # type: ignore[return-value]  # checked: none is None
 
@@ -171,10 +212,10 @@ class Audit:
         self.kinds.update(kinds)
         return found
 
-    def _record(self, label: str, compared: int, differences: list[Difference]) -> None:
-        checkpoint = Checkpoint(label, compared, differences)
+    def _record(self, label: str, finding: Finding) -> None:
+        checkpoint = Checkpoint(label, finding.compared, finding.differences, finding.nonfinite)
         self.checkpoints.append(checkpoint)
-        if differences:
+        if checkpoint.differences:
             self._desync(checkpoint)
 
     def _desync(self, checkpoint: Checkpoint) -> None:
@@ -193,54 +234,18 @@ class Audit:
     # --- reporting --------------------------------------------------------------------------------------
 
     @property
+    def optimizers_seen(self) -> int:
+        return len(self._optimizers)
+
+    @property
     def desync(self) -> bool:
         return any(c.differences for c in self.checkpoints)
 
     def final_line(self, script_failed: str | None = None) -> str:
-        steps = sum(1 for c in self.checkpoints if c.label != "end")
-        wrappers = ", ".join(sorted(self.kinds)) or "none"
-        if self.desync:
-            first = next(c for c in self.checkpoints if c.differences)
-            params = {d.key for c in self.checkpoints for d in c.differences}
-            worst = max((d for c in self.checkpoints for d in c.differences), key=lambda d: d.max_abs_diff)
-            line = (
-                f"wrapperroute audit: DESYNC ({steps} step(s) audited; {len(params)} parameter(s) differing, first at "
-                f"{first.label}; worst {worst.max_abs_diff:.3g} in {worst.key} ({worst.what}); wrappers: {wrappers})"
-            )
-        elif self.checkpoints:
-            compared = max(c.compared for c in self.checkpoints)
-            line = (
-                f"wrapperroute audit: in sync ({steps} step(s) audited, up to {compared} tensors compared per step, "
-                f"0 parameters differing, worst 0; wrappers: {wrappers})"
-            )
-        else:
-            line = f"wrapperroute audit: nothing audited ({self._why_nothing()})"
-        return line + (f"; the script failed: {script_failed}" if script_failed else "")
-
-    def _why_nothing(self) -> str:
-        if not self._optimizers:
-            return "no optimizer step ran"
-        if not self.stepped:
-            return "torch.distributed ran no more than one rank while optimizers stepped"
-        found = ", ".join(sorted(self.kinds))
-        if found:
-            return f"the distributed wrappers found ({found}) shard every parameter: no replicas to compare"
-        return (
-            "optimizers stepped on several ranks, but no distributed wrapper holds their parameters: each rank "
-            "may be training its own copy"
-        )
+        return final_line(self, script_failed)
 
     def report(self, final: str, exit_status: int) -> dict[str, Any]:
-        return {
-            "verdict": "desync" if self.desync else "in sync" if self.checkpoints else "nothing audited",
-            "final_line": final,
-            "exit_status": exit_status,
-            "wrappers": sorted(self.kinds),
-            "checkpoints": [
-                {"label": c.label, "compared": c.compared, "differences": [asdict(d) for d in c.differences]}
-                for c in self.checkpoints
-            ],
-        }
+        return report(self, final, exit_status)
 
     def write_json(self, final: str, exit_status: int) -> None:
         if self.json_path:
@@ -248,20 +253,8 @@ class Audit:
                 json.dump(self.report(final, exit_status), out, indent=1)
 
 
-def format_checkpoint(checkpoint: Checkpoint, top: int = 8) -> str:
-    """The comparison table of one desynced checkpoint: tensors differing and the worst by name."""
-    params = sorted({d.key for d in checkpoint.differences})
-    lines = [
-        f"wrapperroute audit, {checkpoint.label}: {len(params)} parameter(s) differ across replicas "
-        f"({len(checkpoint.differences)} of {checkpoint.compared} tensors compared)",
-        f"  {'max abs diff':>12}  {'of':<9} parameter",
-    ]
-    for difference in checkpoint.differences[:top]:
-        diff = "missing" if math.isinf(difference.max_abs_diff) else f"{difference.max_abs_diff:.3g}"
-        lines.append(f"  {diff:>12}  {difference.what:<9} {difference.key}")
-    if len(checkpoint.differences) > top:
-        lines.append(f"  ... and {len(checkpoint.differences) - top} more")
-    return "\n".join(lines)
+class _Destroyed:
+    """The group an audit was given, after the script destroyed the default group: nothing more to audit on."""
 
 
 def rank() -> int:
@@ -269,4 +262,4 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-__all__ = ["DESYNC_EXIT", "Audit", "DesyncExit", "format_checkpoint", "rank"]
+__all__ = ["AUDIT_FAILED_EXIT", "DESYNC_EXIT", "Audit", "DesyncExit", "format_checkpoint", "rank"]

@@ -9,6 +9,7 @@ unrouted cells show what the bug does.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from .._state import forget_isolated, routing_state
-from ..diagnostics import compare_across_ranks
+from ..adapters._copies import group_copies
+from ..crossrank import Row, compare
 from ..route import Mode, route_loss
 from .losses import LOSSES, make_batch
 from .models import TinyConfig, build_model
@@ -77,7 +79,9 @@ def is_exact(cell: dict[str, Any]) -> bool:
 
 def differing_across_ranks(grads: dict[str, torch.Tensor]) -> tuple[int, float]:
     """(parameters differing across ranks, the largest difference), every tensor gathered whole: exact."""
-    diffs = [diff for _, diff in compare_across_ranks(sorted(grads.items()), whole=True)]
+    world = group_copies(None)
+    outcome = compare([Row(name, grad, world) for name, grad in sorted(grads.items())], whole=True)
+    diffs = [math.inf if m.nonfinite else m.max_abs_diff for m in outcome.mismatches]
     return sum(diff > RANK_TOLERANCE for diff in diffs), max(diffs, default=0.0)
 
 

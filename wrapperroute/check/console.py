@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import os
+import sys
+
+from .extensions import cache_env, clear_stale_locks
 
 
 class UsageError(Exception):
@@ -25,12 +27,11 @@ def rank_env(verbose: bool) -> dict[str, str]:
     return {**cache_env(), **({} if verbose else QUIET_ENV)}
 
 
-def cache_env() -> dict[str, str]:
-    base = os.path.join(os.path.expanduser("~"), ".cache", "wrapperroute")
-    return {
-        "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", os.path.join(base, "inductor")),
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(base, "torch_extensions")),
-    }
+def say_stale_locks(env: dict[str, str]) -> None:
+    """Clear the C++ extension build locks no process holds in the ranks' extensions folder, and say what was
+    found there (a lock held by a live build, or one whose holder cannot be told): never a silent wait."""
+    for line in clear_stale_locks(env["TORCH_EXTENSIONS_DIR"]):
+        print(f"wrapperroute: {line}", file=sys.stderr, flush=True)
 
 
 def last_error_line(text: str) -> str:

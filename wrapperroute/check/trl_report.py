@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from .cell import REFERENCE_TOLERANCE as TOLERANCE
-from .console import UsageError, cut, last_error_line, rank_env
+from .console import UsageError, cut, last_error_line, rank_env, say_stale_locks
 from .trl_cells import TRAINERS, compare_ranks, trainer_classes, trl_step
 from .trl_layouts import LAYOUTS
 
@@ -87,7 +87,9 @@ def check_trl(args: argparse.Namespace) -> int:
 
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
-    with RankPool(args.nproc, env=rank_env(args.verbose)) as pool, tempfile.TemporaryDirectory() as folder:
+    env = rank_env(args.verbose)
+    say_stale_locks(env)
+    with RankPool(args.nproc, env=env) as pool, tempfile.TemporaryDirectory() as folder:
 
         def step(trainer: str, variant: str, layout: str) -> list[dict[str, Any]]:
             try:

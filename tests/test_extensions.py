@@ -1,0 +1,82 @@
+"""The C++ extension build lock a killed build leaves behind: torch's loader waits on it forever without a word;
+``wrapperroute check`` clears it within seconds, says so, and goes on. A lock a live build holds is left alone
+and named."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import CACHE, REPO
+
+from wrapperroute.check.extensions import cache_env, clear_stale_locks
+
+NEEDS_DS = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+BUILT = CACHE / "torch_extensions" / "deepspeed_shm_comm"  # the suite's own build of DeepSpeed's op
+
+
+def _extensions_with_stale_lock(tmp_path: Path) -> tuple[Path, Path]:
+    root = tmp_path / "torch_extensions"
+    if BUILT.is_dir():  # a copy of the built op: the run loads it instead of building it for a minute
+        shutil.copytree(BUILT, root / BUILT.name)
+    lock = root / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()  # what a build killed midway leaves: nobody holds it
+    return root, lock
+
+
+@NEEDS_DS
+def test_torch_waits_on_a_stale_lock_silently(tmp_path: Path) -> None:
+    """The premise: DeepSpeed's op load, given a stale lock, is still waiting after 20 s, having said nothing."""
+    root, lock = _extensions_with_stale_lock(tmp_path)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root), "DS_ACCELERATOR": "cpu"}
+    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op(); print('loaded')"
+    with pytest.raises(subprocess.TimeoutExpired) as waited:
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=20)
+    assert "loaded" not in str(waited.value.stdout or b"") and lock.exists()
+
+
+@NEEDS_DS
+def test_check_clears_a_stale_lock_and_goes_on(tmp_path: Path) -> None:
+    root, lock = _extensions_with_stale_lock(tmp_path)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root), "PYTHONPATH": str(REPO)}
+    start = time.monotonic()
+    command = [sys.executable, "-m", "wrapperroute", "check", "--wrappers", "zero2", "--losses", "fused_ce"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
+    said = [line for line in done.stderr.splitlines() if "stale C++ extension build lock" in line]
+    assert said and str(lock) in said[0], done.stderr[-3000:]
+    assert done.returncode == 0 and "every routed cell exact" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert time.monotonic() - start < 400
+
+
+def test_a_lock_held_open_is_named_not_removed(tmp_path: Path) -> None:
+    lock = tmp_path / "ext" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    code = f"f = open({str(lock)!r}); print('open', flush=True); import time; time.sleep(60)"
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"  # a build holds its lock
+        said = clear_stale_locks(str(tmp_path))
+        assert said and f"waiting for {lock}: process {holder.pid}" in said[0], said
+        assert lock.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert "removed" in clear_stale_locks(str(tmp_path))[0] and not lock.exists()
+
+
+def test_the_default_folder_is_keyed_by_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    folder = cache_env()["TORCH_EXTENSIONS_DIR"]
+    assert f"torch{torch.__version__}" in folder and f"py{sys.version_info.major}{sys.version_info.minor}" in folder
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/somewhere/mine")
+    assert cache_env()["TORCH_EXTENSIONS_DIR"] == "/somewhere/mine"  # a folder the user chose is theirs

@@ -1,0 +1,98 @@
+"""What the audit says: the table of a desynced step, the final line, and the ``--json`` report."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .session import Audit, Checkpoint
+
+
+def format_checkpoint(checkpoint: Checkpoint, top: int = 8) -> str:
+    """The comparison table of one desynced checkpoint: tensors differing and the worst by name."""
+    params = sorted({d.key for d in checkpoint.differences})
+    lines = [
+        f"wrapperroute audit, {checkpoint.label}: {len(params)} parameter(s) differ across replicas "
+        f"({len(checkpoint.differences)} of {checkpoint.compared} tensors compared)",
+        f"  {'max abs diff':>12}  {'of':<9} parameter",
+    ]
+    for difference in checkpoint.differences[:top]:
+        lines.append(f"  {difference.describe():>12}  {difference.what:<9} {difference.key}")
+    if len(checkpoint.differences) > top:
+        lines.append(f"  ... and {len(checkpoint.differences) - top} more")
+    return "\n".join(lines)
+
+
+def final_line(audit: Audit, script_failed: str | None = None) -> str:
+    """The one line rank 0 prints at the end: DESYNC, in sync, FAILED (the audit's own error), or nothing
+    audited, with what was seen."""
+    checkpoints = audit.checkpoints
+    steps = sum(1 for c in checkpoints if c.label != "end")
+    wrappers = ", ".join(sorted(audit.kinds)) or "none"
+    if audit.desync:
+        first = next(c for c in checkpoints if c.differences)
+        params = {d.key for c in checkpoints for d in c.differences}
+        worst = max((d for c in checkpoints for d in c.differences), key=lambda d: (d.nonfinite > 0, d.max_abs_diff))
+        how = "NaN or inf beside other values" if worst.nonfinite else f"{worst.max_abs_diff:.3g}"
+        line = (
+            f"wrapperroute audit: DESYNC ({steps} step(s) audited; {len(params)} parameter(s) differing, first at "
+            f"{first.label}; worst {how} in {worst.key} ({worst.what}); wrappers: {wrappers})"
+        )
+    elif audit.failure is not None:
+        line = (
+            f"wrapperroute audit: FAILED, the audit's own error: {audit.failure} ({steps} step(s) audited before "
+            f"it, none desynced; the script ran on unaudited; wrappers: {wrappers})"
+        )
+    elif checkpoints:
+        compared = max(c.compared for c in checkpoints)
+        line = (
+            f"wrapperroute audit: in sync ({steps} step(s) audited, up to {compared} tensors compared per step, "
+            f"0 parameters differing, worst 0; wrappers: {wrappers})"
+        )
+    else:
+        line = f"wrapperroute audit: nothing audited ({_why_nothing(audit)})"
+    nonfinite = [(c.label, key, what) for c in checkpoints for key, what in c.nonfinite]
+    if nonfinite:
+        label, key, what = nonfinite[0]
+        tensors = len({(key, what) for _, key, what in nonfinite})
+        line += f"; {tensors} tensor(s) NaN or inf alike on every rank, first at {label}: {key} ({what})"
+    if audit.desync and audit.failure is not None:
+        line += f"; then the audit itself failed: {audit.failure}"
+    return line + (f"; the script failed: {script_failed}" if script_failed else "")
+
+
+def _why_nothing(audit: Audit) -> str:
+    if not audit.optimizers_seen:
+        return "no optimizer step ran"
+    if not audit.stepped:
+        return "torch.distributed ran no more than one rank while optimizers stepped"
+    found = ", ".join(sorted(audit.kinds))
+    if found:
+        return f"the distributed wrappers found ({found}) shard every parameter: no replicas to compare"
+    return (
+        "optimizers stepped on several ranks, but no distributed wrapper holds their parameters: each rank "
+        "may be training its own copy"
+    )
+
+
+def report(audit: Audit, final: str, exit_status: int) -> dict[str, Any]:
+    """The ``--json`` report."""
+    verdict = "desync" if audit.desync else "failed" if audit.failure else "in sync" if audit.checkpoints else (
+        "nothing audited")  # fmt: skip
+    return {
+        "verdict": verdict,
+        "final_line": final,
+        "exit_status": exit_status,
+        "wrappers": sorted(audit.kinds),
+        "audit_failure": audit.failure,
+        "checkpoints": [
+            {
+                "label": c.label,
+                "compared": c.compared,
+                "differences": [asdict(d) for d in c.differences],
+                "nonfinite": [{"key": key, "what": what} for key, what in c.nonfinite],
+            }
+            for c in audit.checkpoints
+        ],
+    }

@@ -1,0 +1,425 @@
+"""Every comparison of tensors across ranks, written once: ``check_grad_sync``, the audit, ``wrapperroute check``
+and ``agree=True``'s flag exchange go through here.
+
+- **Which ranks**: a row names the ranks that must hold a copy equal to this rank's (``copies``): a DDP's process
+  group, one dimension of a device mesh, DeepSpeed's data-parallel group (the adapters say which, see
+  ``Adapter.replicas``). Rows are exchanged over a group that spans them all, and compared only among copies.
+- **Exactly**: each rank sends a signature per tensor (its L2 norm, accumulated in the tensor's own precision
+  or better); a tensor whose signature differs among its copies, or is not finite, is a *suspect* and is sent
+  whole, as its raw bytes (dtype and every bit kept), and compared in float64, which holds every value of
+  every floating dtype exactly. Equal norms of different tensors is the blind spot of signatures:
+  ``whole=True`` sends every tensor whole.
+- **Non-finite values are values**: NaN beside a number differs; NaN beside NaN, and an infinity beside the
+  same infinity, do not, but such tensors are reported as non-finite.
+- **Nothing undeclared**: no ``all_gather_object`` (it needs numpy, which torch does not depend on); rows travel
+  as JSON in a byte tensor.
+- **Side groups** live as long as the default process group they were made from: destroyed and initialised
+  again (a notebook re-running its set-up, a sweep of runs in one process), they are made again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Exchange",
+    "Mismatch",
+    "Outcome",
+    "Row",
+    "collective_device",
+    "compare",
+    "side_group",
+]
+
+
+# --- groups ----------------------------------------------------------------------------------------------------
+
+_side_groups: dict[tuple[tuple[int, ...] | None, str | None], Any] = {}
+_made_under: weakref.ref[Any] | None = None  # the default group the side groups were made from
+
+
+def side_group(ranks: Sequence[int] | None = None, backend: str | None = None) -> Any:
+    """A process group of our own beside the script's, so our collectives never pair with the script's.
+
+    ``ranks`` None: every rank, created by every rank at the same point. A tuple of ranks: created by those
+    ranks alone (``use_local_synchronization``), whenever they first ask. Made again after the default group is
+    destroyed and initialised again."""
+    global _made_under
+    world = dist.group.WORLD
+    if _made_under is None or _made_under() is not world:
+        _side_groups.clear()
+        _made_under = weakref.ref(world) if world is not None else None
+    key = (None if ranks is None else tuple(ranks), backend)
+    group = _side_groups.get(key)
+    if group is None:
+        if ranks is None:
+            group = dist.new_group(backend=backend)
+        else:
+            group = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
+        _side_groups[key] = group
+    return group
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """Where a tensor for ``group``'s collectives must live: the CPU when the group has a CPU backend (gloo,
+    torch's default ``cpu:gloo,cuda:nccl``), else the current accelerator (``cuda:nccl``)."""
+    config = str(dist.get_backend_config(group))
+    devices = {part.split(":", 1)[0].strip() for part in config.split(",") if ":" in part}
+    if not devices or "cpu" in devices:
+        return torch.device("cpu")
+    kind = sorted(devices)[0]
+    module = getattr(torch, kind, None)
+    current = getattr(module, "current_device", None)
+    return torch.device(kind, current()) if callable(current) else torch.device(kind)
+
+
+def _ranks(group: Any) -> list[int]:
+    return list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+
+
+def all_gather_bytes(payload: bytes, group: Any, device: torch.device, sizes: list[int] | None = None) -> list[bytes]:
+    """Every rank's ``payload``, in rank order (``sizes``: every rank's payload length, when known already;
+    else one more collective learns them)."""
+    world = dist.get_world_size(group)
+    if sizes is None:
+        mine = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+        lengths = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(lengths, mine, group=group)
+        sizes = [int(length.item()) for length in lengths]
+    longest = max(sizes, default=0)
+    sent = torch.zeros(longest, dtype=torch.uint8)
+    if payload:
+        sent[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    sent = sent.to(device)
+    received = [torch.empty_like(sent) for _ in range(world)]
+    dist.all_gather(received, sent, group=group)
+    return [_bytes(tensor[:size]) for tensor, size in zip(received, sizes, strict=True)]
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    tensor = tensor.cpu().contiguous().clone()  # its own storage, exactly its bytes
+    try:
+        return bytes(tensor.untyped_storage())
+    except TypeError:  # a torch whose storages export no buffer
+        return bytes(tensor.tolist())
+
+
+# --- rows and signatures ---------------------------------------------------------------------------------------
+
+_ABSENT = -1  # the numel sent for a tensor this rank does not hold (a gradient that is None)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One tensor to compare: ``key`` is the same on every rank holding a copy; ``copies`` the global ranks whose
+    copy must equal this rank's (this rank included; the same tuple on each of them); ``tensor`` None: absent on
+    this rank (a gradient never computed). ``window``: the part of it the signature reads, ``(part, parts)``."""
+
+    key: str
+    tensor: torch.Tensor | None
+    copies: tuple[int, ...]
+    window: tuple[int, int] | None = None
+
+
+# Tensors smaller than this are always signed whole: a window saves nothing there.
+WINDOW_MIN = 1 << 16
+
+
+def _part(tensor: torch.Tensor, window: tuple[int, int] | None) -> torch.Tensor:
+    if window is None or tensor.numel() < WINDOW_MIN or not tensor.is_contiguous():
+        return tensor
+    part, parts = window
+    size = -(-tensor.numel() // parts)
+    return tensor.view(-1)[part * size : (part + 1) * size]
+
+
+def signatures(rows: Sequence[Row]) -> list[float]:
+    """Each row's L2 norm (of its window), in the tensor's precision (float32 at least: half and bfloat16 are
+    widened exactly); NaN for an absent tensor. One fused kernel per dtype."""
+    out = [math.nan] * len(rows)
+    by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+    for index, row in enumerate(rows):
+        if row.tensor is not None:
+            tensor = _part(row.tensor.detach(), row.window)
+            wide = tensor.dtype if tensor.dtype in (torch.float32, torch.float64) else torch.float32
+            by_dtype.setdefault(wide, []).append((index, tensor if tensor.dtype == wide else tensor.to(wide)))
+    for members in by_dtype.values():
+        norms = torch.stack(torch._foreach_norm([tensor for _, tensor in members])).tolist()
+        for (index, _), norm in zip(members, norms, strict=True):
+            out[index] = norm
+    return out
+
+
+def _dtype_code(tensor: torch.Tensor | None) -> str:
+    return "" if tensor is None else str(tensor.dtype).removeprefix("torch.")
+
+
+# A row as exchanged: (key, copies, signature, numel or _ABSENT, dtype name).
+Sent = tuple[str, tuple[int, ...], float, int, str]
+
+
+class Exchange:
+    """Every rank's rows, in as few collectives as the rows allow.
+
+    Each rank sends a head (its row count, a digest of its rows' keys, copies, sizes and dtypes, and the length
+    of those rows as JSON) and its signatures, padded to the longest row count agreed at the last exchange of the
+    same ``slot``. When every rank's head is the one it sent last time, the signatures arrived with the heads:
+    one collective. Otherwise every rank's rows follow as JSON bytes: one more. An exchange is posted (its first
+    collective on its way, ``async_op``) and finished later, so the caller can overlap it with its own work."""
+
+    def __init__(self) -> None:
+        # slot -> (every rank's head, every rank's layout) as of the last exchange that sent the rows
+        self._agreed: dict[object, tuple[list[tuple[int, int, int]], list[list[tuple[Any, ...]]]]] = {}
+
+    def post(self, rows: Sequence[Row], group: Any, slot: object = None) -> Posted:
+        """Start the exchange of ``rows`` (collective on ``group``: every rank posts, then finishes, in the same
+        order)."""
+        device = collective_device(group)
+        sigs = signatures(rows)
+        layout = [(row.key, list(row.copies), _numel(row.tensor), _dtype_code(row.tensor)) for row in rows]
+        text = json.dumps(layout, separators=(",", ":")).encode()
+        # 6 bytes: exact in a float64, which carries it beside the signatures
+        digest = int.from_bytes(hashlib.blake2b(text, digest_size=6).digest(), "little")
+        heads, _ = self._agreed.get(slot, ([], []))
+        width = max((count for count, _, _ in heads), default=0)
+        sent = torch.full((width + 3,), math.nan, dtype=torch.float64)
+        sent[0], sent[1], sent[2] = len(rows), digest, len(text)
+        sent[3 : 3 + min(width, len(rows))] = torch.tensor(sigs[:width], dtype=torch.float64)
+        sent = sent.to(device)
+        received = [torch.empty_like(sent) for _ in range(dist.get_world_size(group))]
+        work = dist.all_gather(received, sent, group=group, async_op=True)
+        return Posted(self, slot, group, device, sigs, layout, text, received, work)
+
+
+def _numel(tensor: torch.Tensor | None) -> int:
+    return _ABSENT if tensor is None else tensor.numel()
+
+
+@dataclass
+class Posted:
+    """An exchange on its way: :meth:`rows` gives every rank's rows, in rank order."""
+
+    exchange: Exchange
+    slot: object
+    group: Any
+    device: torch.device
+    sigs: list[float]
+    layout: list[tuple[Any, ...]]
+    text: bytes
+    received: list[torch.Tensor]
+    work: Any
+
+    def rows(self) -> list[list[Sent]]:
+        self.work.wait()
+        received = [tensor.cpu().tolist() for tensor in self.received]
+        heads = [(int(r[0]), int(r[1]), int(r[2])) for r in received]
+        agreed = self.exchange._agreed
+        known_heads, layouts = agreed.get(self.slot, ([], []))
+        if heads == known_heads:  # the signatures came with the heads
+            signed = [values[3 : 3 + count] for values, (count, _, _) in zip(received, heads, strict=True)]
+        else:  # some rank's rows changed: every rank's signatures and rows (their lengths are in the heads)
+            mine = _bytes(torch.tensor(self.sigs, dtype=torch.float64)) + self.text
+            sizes = [8 * count + length for count, _, length in heads]
+            payloads = all_gather_bytes(mine, self.group, self.device, sizes)
+            signed, layouts = [], []
+            for payload, (count, _, _) in zip(payloads, heads, strict=True):
+                floats = torch.frombuffer(bytearray(payload[: 8 * count]), dtype=torch.float64) if count else None
+                signed.append(floats.tolist() if floats is not None else [])
+                layouts.append([tuple(row) for row in json.loads(payload[8 * count :])])
+            agreed[self.slot] = (heads, layouts)
+        return [
+            [(key, tuple(copies), float(sig), int(numel), dtype)
+             for (key, copies, numel, dtype), sig in zip(layout, sigs, strict=True)]
+            for layout, sigs in zip(layouts, signed, strict=True)
+        ]  # fmt: skip
+
+
+# --- comparing -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A tensor whose copies differ. ``max_abs_diff``: the largest difference between copies over the elements
+    finite on both (``inf`` when a copy is absent, or its shape or dtype differs); ``nonfinite``: elements
+    non-finite on some copy and not the same on another (NaN beside a number)."""
+
+    key: str
+    max_abs_diff: float
+    nonfinite: int = 0
+
+    def describe(self) -> str:
+        """The difference as a table shows it."""
+        if math.isinf(self.max_abs_diff):
+            return "missing"
+        if self.nonfinite:
+            return f"nan/inf x{self.nonfinite}" + (f", {self.max_abs_diff:.3g}" if self.max_abs_diff else "")
+        return f"{self.max_abs_diff:.3g}"
+
+    @property
+    def severity(self) -> tuple[bool, float]:
+        return (self.nonfinite > 0 or math.isinf(self.max_abs_diff), self.max_abs_diff)
+
+
+@dataclass
+class Outcome:
+    """What a comparison found: ``compared`` rows on this rank, the ``mismatches`` (worst first), and the keys of
+    tensors non-finite identically on every copy (``nonfinite``: not a desync, but worth saying)."""
+
+    compared: int
+    mismatches: list[Mismatch] = field(default_factory=list)
+    nonfinite: list[str] = field(default_factory=list)
+
+
+def _suspects(everyone: list[list[Sent]], whole: bool) -> list[str]:
+    """Keys whose copies may differ (a signature, size, dtype or presence differs among ranks with the same
+    copies, or a signature is not finite); every rank computes the same list from the same rows."""
+    seen: dict[tuple[str, tuple[int, ...]], tuple[float, int, str]] = {}
+    suspects: set[str] = set()
+    for rows in everyone:
+        for key, copies, sig, numel, dtype in rows:
+            if whole or not math.isfinite(sig):
+                suspects.add(key)
+                continue
+            first = seen.setdefault((key, copies), (sig, numel, dtype))
+            if first != (sig, numel, dtype):
+                suspects.add(key)
+    return sorted(suspects)
+
+
+def _itemsize(dtype: str) -> int:
+    return int(torch.empty((), dtype=getattr(torch, dtype)).element_size())
+
+
+def _aligned(size: int) -> int:
+    return -(-size // 8) * 8
+
+
+def _measure(
+    suspects: list[str], everyone: list[list[Sent]], mine: dict[str, torch.Tensor | None], group: Any,
+    device: torch.device,
+) -> Outcome:  # fmt: skip
+    """Send every suspect whole (its bytes), then compare the copies of each, as values."""
+    order = {key: index for index, key in enumerate(suspects)}
+    held: list[dict[str, tuple[tuple[int, ...], int, str]]] = [
+        {key: (copies, numel, dtype) for key, copies, _, numel, dtype in rows if key in order} for rows in everyone
+    ]
+
+    def nbytes(entry: tuple[tuple[int, ...], int, str]) -> int:
+        _, numel, dtype = entry
+        return _aligned(numel * _itemsize(dtype)) if numel > 0 else 0
+
+    sizes = [sum(nbytes(entry) for entry in rank.values()) for rank in held]
+    longest = max(sizes, default=0)
+    sent = torch.zeros(longest, dtype=torch.uint8, device=device)
+    offset = 0
+    me = dist.get_rank(group) if group is not None else dist.get_rank()
+    for key in suspects:
+        entry = held[me].get(key)
+        tensor = mine.get(key)
+        if entry is None or tensor is None or entry[1] <= 0:
+            continue
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
+        sent[offset : offset + raw.numel()] = raw
+        offset += nbytes(entry)
+    received = [torch.empty_like(sent) for _ in range(len(held))]
+    if longest:
+        dist.all_gather(received, sent, group=group)
+    copies_of: list[dict[str, torch.Tensor | None]] = []
+    for rank, buffer in zip(held, received, strict=True):
+        tensors: dict[str, torch.Tensor | None] = {}
+        offset = 0
+        for key in suspects:
+            entry = rank.get(key)
+            if entry is None:
+                continue
+            _, numel, dtype = entry
+            if numel < 0:
+                tensors[key] = None
+                continue
+            size = numel * _itemsize(dtype)
+            tensors[key] = buffer[offset : offset + size].cpu().view(getattr(torch, dtype))
+            offset += nbytes(entry)
+        copies_of.append(tensors)
+    outcome = Outcome(compared=len(everyone[me]))
+    for key in suspects:
+        groups: dict[tuple[int, ...], list[torch.Tensor | None]] = {}
+        for rank, tensors in zip(held, copies_of, strict=True):
+            if key in rank:
+                groups.setdefault(rank[key][0], []).append(tensors[key])
+        worst: Mismatch | None = None
+        nonfinite = False
+        for members in groups.values():
+            first = members[0]
+            nonfinite = nonfinite or (first is not None and not bool(torch.isfinite(first).all()))
+            for other in members[1:]:
+                found = _mismatch(key, first, other)
+                if found is not None and (worst is None or found.severity > worst.severity):
+                    worst = found
+        if worst is not None:
+            outcome.mismatches.append(worst)
+        elif nonfinite:
+            outcome.nonfinite.append(key)
+    outcome.mismatches.sort(key=lambda m: m.severity, reverse=True)
+    return outcome
+
+
+def _mismatch(key: str, a: torch.Tensor | None, b: torch.Tensor | None) -> Mismatch | None:
+    """How two copies differ, as values (float64 holds every value of every floating dtype exactly)."""
+    if a is None or b is None:
+        return None if a is None and b is None else Mismatch(key, math.inf)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return Mismatch(key, math.inf)
+    a64, b64 = a.double(), b.double()
+    same = (a64 == b64) | (torch.isnan(a64) & torch.isnan(b64))
+    if bool(same.all()):
+        return None
+    finite = torch.isfinite(a64) & torch.isfinite(b64)
+    differing = ~same
+    finite_diffs = (a64 - b64).abs()[differing & finite]
+    largest = float(finite_diffs.max()) if finite_diffs.numel() else 0.0
+    return Mismatch(key, largest, int((differing & ~finite).sum()))
+
+
+@dataclass
+class Pending:
+    """A comparison whose signatures are on their way: :meth:`result` finishes it (collective)."""
+
+    posted: Posted
+    tensors: dict[str, torch.Tensor | None]
+    whole: bool
+
+    def result(self) -> Outcome:
+        everyone = self.posted.rows()
+        suspects = _suspects(everyone, self.whole)
+        if not suspects:
+            return Outcome(compared=len(self.tensors))
+        return _measure(suspects, everyone, self.tensors, self.posted.group, self.posted.device)
+
+
+def compare_later(
+    rows: Sequence[Row], group: Any = None, *, exchange: Exchange | None = None, slot: object = None,
+    whole: bool = False,
+) -> Pending:  # fmt: skip
+    """:func:`compare`, posted: the signatures are read now and travel while the caller goes on; a suspect's
+    tensor is read whole when :meth:`Pending.result` runs."""
+    keys = [row.key for row in rows]
+    if len(set(keys)) != len(keys):
+        raise ValueError("crossrank.compare: every row needs a key of its own")
+    posted = (exchange or Exchange()).post(rows, group, slot)
+    return Pending(posted, {row.key: row.tensor for row in rows}, whole)
+
+
+def compare(rows: Sequence[Row], group: Any = None, *, whole: bool = False) -> Outcome:
+    """Compare each row's tensor with its copies on the ranks its ``copies`` name (collective on ``group``,
+    which must hold every rank named; every rank calls it). ``whole``: every tensor sent whole, not only those
+    whose signatures differ."""
+    return compare_later(rows, group, whole=whole).result()
