@@ -27,6 +27,8 @@ def main() -> None:
     parser.add_argument("--loss", choices=["module", "routed"], default="routed")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--nan", choices=["none", "rank1", "every"], default="none",
+                        help="make the first step's loss NaN on rank 1, or on every rank")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -43,6 +45,8 @@ def main() -> None:
                     loss = fused_ce(model.module, ids)
                 else:
                     loss = route_loss(model, inner, fused_ce, inner, ids)
+                if step == 0 and (args.nan == "every" or (args.nan == "rank1" and rank == 1)):
+                    loss = loss * float("nan")
                 loss.backward()
         optimizer.step()
         optimizer.zero_grad()

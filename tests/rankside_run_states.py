@@ -1,0 +1,93 @@
+"""Rank bodies for tests/test_run_states.py: routing and its reports after what a real run goes through (a plain
+forward that raised, NaN on one rank, a process group destroyed and made again). Module level: the pool pickles
+them by reference."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import rankside_reliability as rr
+import torch
+import torch.distributed as dist
+
+from wrapperroute import check_grad_sync, detect, route_loss
+from wrapperroute.check.cell import differing_across_ranks, max_grad_diff
+from wrapperroute.check.losses import LOSSES, make_batch
+
+
+def raised_forward_then_exact(wrapper: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """A plain ``model(batch)`` raising inside the wrapper's forward (a token id out of range: the batch a loop
+    skips), then two routed steps, each against one process on the global batch."""
+    wrapped, reference = rr.build(wrapper, opts)
+    found = detect(wrapped.model)
+    bad = torch.full((2, rr.CONFIG.seq), rr.CONFIG.vocab + 7)
+    try:
+        wrapped.model(bad)
+        raised = None
+    except Exception as error:
+        raised = type(error).__name__
+    # what fooled a check of "inside the forward" that read the wrapper's own state
+    stale = found.adapter.marks_forward(found.wrapper)  # type: ignore[union-attr,arg-type]
+    steps = [rr.truth_step(wrapped, reference, step) for step in range(2)]
+    return {"raised": raised, "stale_mark": stale, "steps": steps}
+
+
+def nan_and_dtype_reports() -> dict[str, Any]:
+    """check_grad_sync on DDP gradients set by hand: NaN on rank 1 only; NaN alike on both ranks; a float64
+    difference below float32's resolution on rank 1."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).double())
+    found: dict[str, Any] = {}
+    for case in ("nan_on_rank1", "nan_alike", "float64_tiny", "equal"):
+        for param in model.parameters():
+            param.grad = torch.ones_like(param)
+        first = model.module[0].weight.grad
+        if case == "nan_on_rank1" and rank == 1:
+            first[0, 0] = math.nan
+        if case == "nan_alike":
+            first[1, 1] = math.nan
+        if case == "float64_tiny" and rank == 1:
+            first[2, 2] += 1e-12  # 1 + 1e-12 is 1 in float32
+        report = check_grad_sync(model)
+        found[case] = {"differing": report.differing, "nonfinite": list(report.nonfinite),
+                       "worst": [name for name, _ in report.worst], "max": report.max_abs_diff,
+                       "float32_equal": bool(torch.equal(first.float(), torch.ones_like(first).float()))}  # fmt: skip
+    return found
+
+
+def agree_after_new_process_group(store: str) -> dict[str, Any]:
+    """``route_loss(..., agree=True)`` exact, then the default group destroyed and made again (a notebook
+    re-running its set-up cell), then routed with ``agree=True`` again on a new DDP: exact. The premise: the
+    side group made under the first default group is unknown to the second."""
+    from wrapperroute.crossrank import side_group
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    before = _agreed_step()
+    old = side_group(tuple(range(world)))
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        dist.get_backend(old)  # what the flag exchange asked of the side group it kept
+        dead = None
+    except Exception as error:
+        dead = f"{type(error).__name__}: {error}"
+    after = _agreed_step()
+    return {"before": before, "after": after, "old_side_group": dead}
+
+
+def _agreed_step() -> dict[str, Any]:
+    wrapped, reference = rr.build("ddp")
+    case = LOSSES["fused_ce"]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = make_batch(case, rr.CONFIG, rank, 0, 0)
+    loss = route_loss(wrapped.model, wrapped.inner, case.compute, wrapped.inner, batch, {}, agree=True)
+    wrapped.backward(loss)
+    grads = wrapped.full_grads()
+    batches = [make_batch(case, rr.CONFIG, r, 0, 0) for r in range(world)]
+    case.compute(reference.model, case.concat(batches), {}).backward()  # type: ignore[arg-type]
+    return {"differ": differing_across_ranks(grads)[0], "max_ref_diff": max_grad_diff(grads, reference.full_grads()),
+            "params": len(grads)}  # fmt: skip

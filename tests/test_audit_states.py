@@ -1,0 +1,108 @@
+"""The audit in the states a real job passes through: two independent data-parallel groups on 4 ranks, NaN on
+one rank or on every rank, and a Python environment holding torch and wrapperroute only (no numpy)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import CACHE, REPO
+from test_audit import ENV, SCRIPTS, _audit, _one_final, _run, _torchrun
+
+
+@pytest.mark.parametrize("setup", ["ddp_groups", "replicate_mesh"])
+def test_two_groups_each_compared_within_itself(setup: str) -> None:
+    """4 ranks, two groups each training its own model: in sync, exit 0 (compared across the whole world, the
+    two models would differ everywhere); the upstream bug in one group: DESYNC, exit 3."""
+    wrapper = "ddp" if setup == "ddp_groups" else "replicate"
+    good = _audit(4, "groups.py", "--setup", setup, audit=("--steps", "all"))
+    final = _one_final(good)
+    assert final.startswith("wrapperroute audit: in sync (3 step(s)") and f"wrappers: {wrapper})" in final, final
+    assert good["code"] == 0, good["err"][-3000:]
+    bad = _audit(4, "groups.py", "--setup", setup, "--bug")
+    final = _one_final(bad)
+    assert final.startswith("wrapperroute audit: DESYNC") and f"{wrapper}[0].lm_head.weight (gradient)" in final, final
+    assert 3 in bad["rank_codes"], bad["err"][-3000:]
+
+
+def test_nan_on_one_rank_is_a_desync_nan_everywhere_is_not(tmp_path: Path) -> None:
+    """The upstream bug with rank 1's loss NaN: its gradients NaN beside rank 0's numbers, DESYNC, exit 3.
+    Routed, the same NaN reaches every rank through DDP's all-reduce: alike everywhere, in sync, exit 0, and
+    said to be non-finite in the final line and the JSON."""
+    bad = _audit(2, "ddp_train.py", "--loss", "module", "--nan", "rank1")
+    final = _one_final(bad)
+    assert final.startswith("wrapperroute audit: DESYNC") and "worst NaN or inf beside other values" in final, final
+    assert 3 in bad["rank_codes"], bad["err"][-2000:]
+    assert "nan/inf x" in bad["out"], bad["out"]  # the table says which values differ
+    report = tmp_path / "audit.json"
+    good = _audit(2, "ddp_train.py", "--loss", "routed", "--nan", "rank1", audit=("--json", str(report)))
+    final = _one_final(good)
+    assert final.startswith("wrapperroute audit: in sync") and "NaN or inf alike on every rank" in final, final
+    assert good["code"] == 0, good["err"][-2000:]
+    written = json.loads(report.read_text())
+    assert written["verdict"] == "in sync" and written["checkpoints"][0]["nonfinite"], written
+
+
+def _bare_venv() -> Path:
+    """A virtual environment holding torch (this torch's release) and wrapperroute, nothing else: the user who
+    ran ``pip install torch wrapperroute``. Made once, kept in the suite's cache."""
+    release = torch.__version__.split("+")[0]
+    venv = CACHE / f"venv-bare-torch{release}-py{sys.version_info.major}{sys.version_info.minor}"
+    python = venv / "bin" / "python"
+    if not (venv / "ready").exists():
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, f"torch=={release}"], check=True)
+        subprocess.run([*pip, "--no-build-isolation", "--no-deps", "-e", str(REPO)], check=True)
+        (venv / "ready").touch()
+    return python
+
+
+def _verdicts(python: str) -> dict[str, Any]:
+    found = {}
+    for name, args in (("desync", ("--loss", "module")), ("in sync", ("--loss", "routed")),
+                       ("nan", ("--loss", "module", "--nan", "rank1"))):  # fmt: skip
+        command = [python, *_torchrun(2, "-m", "wrapperroute", "audit", str(SCRIPTS / "ddp_train.py"), *args)[1:]]
+        run = _run(command)
+        found[name] = (_one_final(run).split(" (")[0], 3 in run["rank_codes"] or run["code"] == 0)
+    return found
+
+
+def test_the_audit_needs_nothing_torch_does_not_bring() -> None:
+    """In a venv with torch and wrapperroute only, every verdict is the one this environment gives. The premise:
+    torch's own object collectives (which the audit used) fail there."""
+    python = str(_bare_venv())
+    probe = ("import torch.distributed as dist, tempfile, os; d = tempfile.mkdtemp();"
+             "dist.init_process_group('gloo', store=dist.FileStore(os.path.join(d, 's'), 1), rank=0, world_size=1);"
+             "out = [None]; dist.all_gather_object(out, {'a': 1})")  # fmt: skip
+    premise = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120, env=ENV)
+    assert premise.returncode != 0 and "Numpy is not available" in premise.stderr, premise.stderr[-2000:]
+    bare = _verdicts(python)
+    assert bare == _verdicts(sys.executable), bare
+    assert bare["desync"][0] == bare["nan"][0] == "wrapperroute audit: DESYNC", bare
+    assert bare["in sync"][0] == "wrapperroute audit: in sync", bare
+
+
+def test_an_audit_failure_is_the_audits_not_the_scripts(tmp_path: Path) -> None:
+    """The audit's own error (here: comparisons made impossible by a broken signature function) never ends
+    the script: it runs to the end, the final line says FAILED with the true reason, exit status 4."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "import wrapperroute.crossrank as c\n"
+        "def broken(rows):\n    raise RuntimeError('signatures broke')\n"
+        "c.signatures = broken\n"
+    )
+    env = {**ENV, "PYTHONPATH": f"{shim}{os.pathsep}{ENV['PYTHONPATH']}"}
+    command = _torchrun(2, "-m", "wrapperroute", "audit", str(SCRIPTS / "ddp_train.py"), "--loss", "routed")
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    finals = [line for line in done.stdout.splitlines() if line.startswith("wrapperroute audit: FAILED")]
+    assert finals and "RuntimeError: signatures broke" in finals[0], done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.count("step 3 loss") == 2, done.stdout  # the script ran to its end on both ranks
+    assert "exitcode  : 4" in done.stderr or "exitcode: 4" in done.stderr.replace(" ", ""), done.stderr[-2000:]

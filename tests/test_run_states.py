@@ -1,0 +1,107 @@
+"""Routing and its reports after what a real run goes through between steps: a plain forward that raised (the
+bad batch a loop skips), NaN on one rank, a process group destroyed and made again, hooks a loss registers."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import rankside_run_states
+import torch
+import torch.distributed as dist
+
+from wrapperroute import route_loss
+from wrapperroute.check.cell import REFERENCE_TOLERANCE
+from wrapperroute.crossrank import collective_device
+from wrapperroute.ranks import RankPool
+
+NEEDS_DS = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+
+
+@pytest.mark.parametrize(
+    ("wrapper", "opts"),
+    [
+        pytest.param("ddp", {}, id="ddp"),
+        pytest.param("fsdp1", {}, id="fsdp1"),
+        pytest.param("fsdp2", {"groups": "layers"}, id="fsdp2"),
+        pytest.param("zero3", {"zero": {"stage3_param_persistence_threshold": 0}}, id="zero3", marks=NEEDS_DS),
+    ],
+)
+def test_a_plain_forward_that_raised_then_exact(pool: RankPool, wrapper: str, opts: dict[str, Any]) -> None:
+    """The raised forward leaves FSDP1's, FSDP2's and ZeRO-3's own "in forward" mark set (checked: the
+    premise); the next routed steps still run inside the wrapper's forward, exact."""
+    for rank in pool.run(rankside_run_states.raised_forward_then_exact, wrapper, opts):
+        assert rank["raised"] is not None, rank
+        assert rank["stale_mark"] == (wrapper != "ddp"), rank  # DDP restores its marker itself
+        for step in rank["steps"]:
+            assert step["params"] and step["differ"] == 0 and step["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
+
+
+def test_check_grad_sync_compares_values_as_they_are(pool: RankPool) -> None:
+    for rank in pool.run(rankside_run_states.nan_and_dtype_reports):
+        assert rank["nan_on_rank1"]["differing"] == 1 and rank["nan_on_rank1"]["worst"] == ["0.weight"], rank
+        assert rank["nan_on_rank1"]["nonfinite"] == ["0.weight"], rank
+        assert rank["nan_alike"]["differing"] == 0 and rank["nan_alike"]["nonfinite"] == ["0.weight"], rank
+        assert rank["float64_tiny"]["differing"] == 1, rank
+        assert rank["float64_tiny"]["max"] == pytest.approx(1e-12, rel=0.01), rank
+        assert rank["equal"] == {"differing": 0, "nonfinite": [], "worst": [], "max": 0.0, "float32_equal": True}
+    assert rank["float64_tiny"]["float32_equal"], "the premise: float32 cannot see this difference"
+
+
+def test_agree_after_the_process_group_is_made_again(pool: RankPool, tmp_path: Path) -> None:
+    for rank in pool.run(rankside_run_states.agree_after_new_process_group, str(tmp_path / "store")):
+        for step in (rank["before"], rank["after"]):
+            assert step["params"] and step["differ"] == 0 and step["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
+        assert rank["old_side_group"] is not None, rank  # the premise: a side group kept from before is dead
+
+
+# --- one process, one rank -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wrapper", ["fsdp2", "replicate"])
+def test_a_hook_the_loss_registers_is_kept(one_rank: None, wrapper: str) -> None:
+    """A loss that registers a forward hook on the root it runs in (a metric, a probe): the hook stays
+    registered after the loss, fires on the next forward, and its handle removes it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from wrapperroute.check.wrap_fsdp import fsdp2_api
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    if wrapper == "fsdp2":
+        fsdp2_api().fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    else:
+        from torch.distributed._composable.replicate import replicate
+
+        replicate(model)
+    calls: list[int] = []
+    handles = []
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        out = model(x).sum()
+        handles.append(model.register_forward_hook(lambda *_: calls.append(1)))
+        return out
+
+    x = torch.randn(2, 4)
+    route_loss(model, model, loss, x).backward()
+    seen = len(calls)  # as natively, a hook registered during a forward may fire at that forward's end
+    assert len(handles) == 1 and seen <= 1
+    model(x).sum().backward()
+    assert len(calls) == seen + 1, "the hook registered inside the loss was dropped"
+    handles[0].remove()
+    model(x).sum().backward()
+    assert len(calls) == seen + 1
+
+
+def test_collective_device_reads_the_backend_config(one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gloo group (real) takes CPU tensors; torch's default ``cpu:gloo,cuda:nccl`` too (its CPU backend);
+    only a group without a CPU backend takes the accelerator's (the configs below are what torch reports; no GPU
+    here, so the last two are read from a stand-in)."""
+    assert collective_device(dist.group.WORLD) == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert collective_device() == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collective_device() == torch.device("cuda", 3)
