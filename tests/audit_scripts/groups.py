@@ -56,10 +56,9 @@ def main() -> None:
     generator = torch.Generator().manual_seed(100 + rank)
     for step in range(3):
         ids = torch.randint(0, config.vocab, (2, config.seq), generator=generator)
-        if args.bug and stage == 1:
-            loss = backbone_ce(model, ids)  # outside the wrapper: this group's ranks train apart
-        else:
-            loss = route_loss(wrapper, model, fused_ce, model, ids)
+        # with --bug, the second group's loss runs outside its wrapper: its ranks train apart
+        bug = args.bug and stage == 1
+        loss = backbone_ce(model, ids) if bug else route_loss(wrapper, model, fused_ce, model, ids)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
