@@ -19,6 +19,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from wrapperroute.ranks import RankPool  # noqa: E402
 
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", help="draw many more examples in the property and sequence tests")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--long"):
+        os.environ["WRAPPERROUTE_LONG"] = "1"  # read by the test modules as they are imported, after this
+
 WORLD_SIZE = 2
 
 

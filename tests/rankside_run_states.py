@@ -16,11 +16,20 @@ from wrapperroute.check.cell import differing_across_ranks, max_grad_diff
 from wrapperroute.check.losses import LOSSES, make_batch
 
 
-def raised_forward_then_exact(wrapper: str, opts: dict[str, Any]) -> dict[str, Any]:
-    """A plain ``model(batch)`` raising inside the wrapper's forward (a token id out of range: the batch a loop
-    skips), then two routed steps, each against one process on the global batch."""
+def raised_forward_then_exact(wrapper: str, opts: dict[str, Any], step_after: bool) -> dict[str, Any]:
+    """A routed step's backward, then a plain ``model(batch)`` raising inside the wrapper's forward (a token id
+    out of range: the batch a loop skips), the optimizer's step after it (``step_after``: so the parameters that
+    failed forward gathered are stale) or before it, then two routed steps, each against one process on the
+    global batch."""
     wrapped, reference = rr.build(wrapper, opts)
     found = detect(wrapped.model)
+    case = LOSSES["fused_ce"]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = make_batch(case, rr.CONFIG, rank, 0, 0)
+    loss = route_loss(wrapped.model, wrapped.inner, case.compute, wrapped.inner, batch, {})
+    wrapped.backward(loss)
+    if not step_after:
+        wrapped.step()
     bad = torch.full((2, rr.CONFIG.seq), rr.CONFIG.vocab + 7)
     try:
         wrapped.model(bad)
@@ -29,7 +38,12 @@ def raised_forward_then_exact(wrapper: str, opts: dict[str, Any]) -> dict[str, A
         raised = type(error).__name__
     # what fooled a check of "inside the forward" that read the wrapper's own state
     stale = found.adapter.marks_forward(found.wrapper)  # type: ignore[union-attr,arg-type]
-    steps = [rr.truth_step(wrapped, reference, step) for step in range(2)]
+    if step_after:
+        wrapped.step()
+    batches = [make_batch(case, rr.CONFIG, r, 0, 0) for r in range(world)]
+    (case.compute(reference.model, case.concat(batches), {}) * wrapped.loss_scale).backward()  # type: ignore[arg-type]
+    reference.step()
+    steps = [rr.truth_step(wrapped, reference, step) for step in (1, 2)]
     return {"raised": raised, "stale_mark": stale, "steps": steps}
 
 

@@ -111,7 +111,8 @@ class Adapter(Layer):
         (Lightning Fabric's precision context): :func:`wrapperroute.route_loss` calls that layer, not the
         wrapper inside it.
     repairs
-        True when ``repair`` does something: it is then called before every routed call enters the wrapper.
+        True when ``repair`` does something (the wrapper marks a forward in its own state, or DDP's class-wide
+        marker): it is then called before every routed call enters the wrapper.
     """
 
     distributed: ClassVar[bool] = True
@@ -137,8 +138,16 @@ class Adapter(Layer):
         return self.marks_forward(wrapper) and called_here(wrapper, sys._getframe(1))
 
     def repair(self, wrapper: nn.Module) -> None:
-        """Before a routed call enters the wrapper (adapters with ``repairs``): put right process-wide state that
-        others left behind and that would change what the forward does (DDP: a forward marker no forward owns)."""
+        """Before a routed call enters the wrapper (adapters with ``repairs``): put right state that a forward
+        which raised outside our calls left behind (the bad batch a loop skips): the wrapper marks a forward
+        that no thread is running. Left so, FSDP's next forward reuses the parameters that forward gathered,
+        however the optimizer changed them since, and FSDP1 refuses ``no_sync``; so the wrapper is returned to
+        its between-steps state, as ``recover`` does after a loss of ours raised (FSDP2's documented recovery,
+        ``reset_iter_state``). No collective; no-op when no mark is left (the common case: one attribute read)."""
+        if self.marks_forward(wrapper) and not any(
+            called_here(wrapper, frame) for frame in sys._current_frames().values()
+        ):
+            self.recover(wrapper)
 
     def describe(self, wrapper: nn.Module) -> dict[str, Any]:
         """Extra facts for :class:`~wrapperroute.Detection` (e.g. the ZeRO stage)."""

@@ -1,12 +1,21 @@
 """DeepSpeed's ``DeepSpeedEngine`` (ZeRO stages 0-3). Loaded only once ``deepspeed`` is imported.
 
-``engine.forward`` runs its forward prologue (under ZeRO-3 it marks every module ``_in_forward``, so reading a
-partitioned parameter as an attribute gathers it and registers it with the running module, whose backward hooks
-gather it again and reduce-scatter its gradient), calls ``engine.module``, then hooks the *output*: the first
+``engine.forward`` calls ``engine.module``, whose forward hooks run the engine's prologue and epilogue (under
+ZeRO-3 the prologue marks every module ``_in_forward``, so reading a partitioned parameter as an attribute gathers
+it and registers it with the running module, whose backward hooks gather it again and reduce-scatter its
+gradient; ZeRO-3's root hook also restarts its parameter-fetch trace), then hooks the *output*: the first
 gradient reaching it runs the backward prologue, and each is divided by ``gradient_accumulation_steps`` unless
 ``engine.backward`` already scaled the loss. Routing the loss through ``engine(token)`` puts all of that around
 the loss, exactly as a normal forward. ZeRO 0/1/2 reduce in ``backward``/``step`` whatever the forward did; the
-forward still matters there for the output hooks.
+forward still matters there for the output hooks. While the loss runs, ``engine.module``'s hooks are set aside
+(``_hooks.py``): a loss that calls the model again gets a plain forward, not a second prologue, epilogue and
+trace restart.
+
+ZeRO-3 fetches each module's parameters in the order it recorded (its trace), and raises when a module asks for
+parameters the trace does not list. A fused loss reads the head's weight from inside the root's forward, which
+makes it an external parameter of the root: before the first routed call the head is registered so with the
+documented ``register_external_parameter``, and a trace recorded without it is dropped (ZeRO-3 records again),
+so plain forwards and routed losses fetch the same parameters ever after.
 
 ``gather=``: under ZeRO-3 the named modules' partitioned parameters are gathered before the loss with
 ``deepspeed.zero.GatheredParameters`` (de-duplicated, as TRL does) and registered as external parameters of
@@ -18,18 +27,18 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from deepspeed import DeepSpeedEngine
-from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import nn
 
 from ..errors import RouteValueError
 from ._copies import group_copies
+from ._hooks import hooks_set_aside, put_hooks_back
 from ._units import output_embedding
-from .base import Adapter, Replica
+from .base import NOTHING, Adapter, Replica
 from .ddp import group_ranks, replicated
 
 
@@ -42,6 +51,7 @@ class DeepSpeedAdapter(Adapter):
     distributed = True
     picks_units = True
     enters_every_call = True
+    repairs = True
     shards = True
 
     def claims(self, module: nn.Module) -> bool:
@@ -94,12 +104,20 @@ class DeepSpeedAdapter(Adapter):
         # the flag is still set: a fault inside the engine's own hooks can clear it and leave a parameter
         # gathered and held by a module that never finished. ZeRO 0-2 keep no forward state.
         engine: DeepSpeedEngine = wrapper
-        _drop_kept_epilogue(engine)  # still in when an interrupt left _keep_in_forward suspended: it must not run
+        put_hooks_back(engine.module)
         if _stage(engine) != 3:
             return
         if self.marks_forward(engine):
             engine._forward_epilogue()
         engine.empty_partition_cache()
+
+    def repair(self, wrapper: nn.Module) -> None:
+        super().repair(wrapper)
+        engine: DeepSpeedEngine = wrapper
+        if engine not in _head_registered and _stage(engine) == 3:
+            head = output_embedding(engine.module)
+            _register_with_root(engine, head.parameters() if head is not None else ())
+            _head_registered[engine] = True
 
     def concurrency_error(self, wrapper: nn.Module, grad: bool, grad_calls: int) -> str | None:
         return "a DeepSpeed engine keeps one forward's state (ZeRO-3 gathers, timers, hooks) and is not thread-safe"
@@ -129,52 +147,29 @@ class DeepSpeedAdapter(Adapter):
     @contextlib.contextmanager
     def inside(self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]) -> Iterator[None]:
         engine: DeepSpeedEngine = wrapper
-        if _stage(engine) != 3:
-            yield
-            return
-        with _keep_in_forward(engine), _gathered(engine, gather):
+        with hooks_set_aside(engine.module), _gathered(engine, gather) if _stage(engine) == 3 else NOTHING:
             yield
 
 
-@contextlib.contextmanager
-def _keep_in_forward(engine: DeepSpeedEngine) -> Iterator[None]:
-    """Keep ZeRO-3's in-forward flag set for the whole loss.
+# Engines whose head is registered as an external parameter of their root (see the module's docstring).
+_head_registered: weakref.WeakKeyDictionary[DeepSpeedEngine, bool] = weakref.WeakKeyDictionary()
 
-    A loss that calls ``engine.module`` itself (``hidden = model(ids)``, the module whose forward we replaced)
-    runs the engine's forward hooks a second time; the nested epilogue clears every module's ``_in_forward``
-    and the weight read after it (``model.lm_head.weight``) comes back empty (measured: ``vec (0)``). We are
-    still inside the engine's forward, so restore the flag after any nested epilogue.
-    """
-    original = engine._forward_epilogue
+
+def _register_with_root(engine: DeepSpeedEngine, params: Iterable[Any]) -> None:
+    """Register ``params`` as external parameters of ``engine.module`` (fetched and released with it). When that
+    changes what the root fetches, a parameter-fetch trace recorded before is dropped: ZeRO-3 records anew."""
+    import deepspeed
+
     root = engine.module
-
-    def epilogue() -> None:
-        original()
-        for module in root.modules():
-            if isinstance(module._parameters, ZeROOrderedDict):
-                module._parameters._in_forward = True
-
-    _kept_epilogues[engine] = epilogue
-    engine.__dict__["_forward_epilogue"] = epilogue  # the hook looks it up on the instance at each call
-    try:
-        yield
-    finally:
-        _drop_kept_epilogue(engine, epilogue)
-
-
-# The epilogue _keep_in_forward put on each engine, until taken off (by its exit, or by recover() after a fault).
-_kept_epilogues: weakref.WeakKeyDictionary[DeepSpeedEngine, Callable[[], None]] = weakref.WeakKeyDictionary()
-
-
-def _drop_kept_epilogue(engine: DeepSpeedEngine, epilogue: Callable[[], None] | None = None) -> None:
-    """Take the kept epilogue off (``epilogue``: only that one; a generator closed late must not take off a
-    later step's)."""
-    kept = _kept_epilogues.get(engine)
-    if kept is None or (epilogue is not None and kept is not epilogue):
-        return
-    if engine.__dict__.get("_forward_epilogue") is kept:
-        del engine.__dict__["_forward_epilogue"]
-    del _kept_epilogues[engine]  # last: until the epilogue is off, recover() must still find it
+    known = getattr(root, "_external_params", {})
+    own = {id(p) for p in root.parameters(recurse=False)}
+    new = [p for p in params if id(p) not in known and id(p) not in own]
+    for param in new:
+        deepspeed.zero.register_external_parameter(root, param)
+    offload = getattr(engine.optimizer, "parameter_offload", None)
+    coordinator = offload.get_param_coordinator() if offload is not None else None
+    if new and coordinator is not None and coordinator.is_complete_trace():
+        coordinator._invalidate_trace()
 
 
 # A submodule id no module has (DeepSpeed numbers them from 0): marks a head in use by read_whole.
@@ -201,6 +196,7 @@ def _gathered(engine: DeepSpeedEngine, gather: tuple[nn.Module, ...]) -> Iterato
         return
     import deepspeed
 
+    _register_with_root(engine, params)  # as GatheredParameters(fwd_module=) would, the trace kept consistent
     # fwd_module: the root's backward hooks gather these again for backward and reduce-scatter their grads.
     with deepspeed.zero.GatheredParameters(params, fwd_module=engine.module):
         yield

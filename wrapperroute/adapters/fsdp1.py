@@ -30,6 +30,7 @@ class FSDP1Adapter(Adapter):
     kind = "fsdp1"
     distributed = True
     picks_units = True
+    repairs = True
     shards = True
 
     def claims(self, module: nn.Module) -> bool:

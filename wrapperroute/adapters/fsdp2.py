@@ -44,6 +44,7 @@ class FSDP2Adapter(Adapter):
     kind = "fsdp2"
     distributed = True
     picks_units = True
+    repairs = True
     enters_every_call = True
     shards = True
 

@@ -49,6 +49,7 @@ class ReplicateAdapter(Adapter):
     distributed = True
     enters_every_call = True
     isolates = True
+    repairs = True
 
     def claims(self, module: nn.Module) -> bool:
         return isinstance(module, ComposableDDP)

@@ -4,6 +4,7 @@ FSDP2) as its own shard unit, which is the layout a plain root redirection gets 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -17,6 +18,44 @@ def _clean(name: str) -> str:
     return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
+def gather_flat(fsdp: nn.Module, local: Callable[[Any], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every original parameter's whole tensor of what ``local(flat_param)`` gives as this rank's shard of each
+    unit's flat parameter (its gradient, its data): all-gathered and cut back into the original parameters (for
+    use_orig_params True and False alike). A collective: every rank, same order."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    found: dict[str, torch.Tensor] = {}
+    for unit in FSDP.fsdp_modules(fsdp):
+        handle = unit._handle
+        if handle is None:
+            continue
+        flat = handle.flat_param
+        shard = local(flat)
+        pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+        dist.all_gather(pieces, shard.detach().contiguous())
+        full = torch.cat(pieces)
+        prefix = ""
+        for name, module in fsdp.named_modules():
+            if module is unit:
+                prefix = _clean(name) + "." if name else ""
+        # The flat parameter interleaves alignment padding with the parameters (use_orig_params pads each to 16
+        # bytes): walk its padded layout, not the bare numels.
+        offset = 0
+        params = iter(zip(flat._fqns, flat._shapes, flat._numels, strict=True))
+        for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
+            if not padding:
+                fqn, shape, _ = next(params)
+                found[prefix + _clean(fqn)] = full[offset : offset + numel].view(shape).clone()
+            offset += numel
+    return found
+
+
+def fsdp1_full_params(fsdp: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole, read from each flat parameter's local shard (where a forward left the unit
+    unsharded, too: ``summon_full_params`` refuses while a forward's state is pending)."""
+    return gather_flat(fsdp, lambda flat: getattr(flat, "_local_shard", flat))
+
+
 def build_fsdp1(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
     """opts: ``use_orig_params`` (default True), ``lm_head_unit`` (wrap lm_head on its own, default False)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -28,32 +67,7 @@ def build_fsdp1(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
     fsdp = FSDP(model, **common)
 
     def full_grads() -> dict[str, torch.Tensor]:
-        # The grad of each unit's flat parameter is this rank's shard: gather it and cut it back into the
-        # original parameters (works for use_orig_params True and False alike).
-        grads: dict[str, torch.Tensor] = {}
-        for unit in FSDP.fsdp_modules(fsdp):
-            handle = unit._handle
-            if handle is None:
-                continue
-            flat = handle.flat_param
-            shard = flat.grad if flat.grad is not None else torch.zeros_like(flat)
-            pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
-            dist.all_gather(pieces, shard.detach().contiguous())
-            full = torch.cat(pieces)
-            prefix = ""
-            for name, module in fsdp.named_modules():
-                if module is unit:
-                    prefix = _clean(name) + "." if name else ""
-            # The flat parameter interleaves alignment padding with the parameters (use_orig_params pads each
-            # to 16 bytes): walk its padded layout, not the bare numels.
-            offset = 0
-            params = iter(zip(flat._fqns, flat._shapes, flat._numels, strict=True))
-            for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
-                if not padding:
-                    fqn, shape, _ = next(params)
-                    grads[prefix + _clean(fqn)] = full[offset : offset + numel].view(shape).clone()
-                offset += numel
-        return grads
+        return gather_flat(fsdp, lambda flat: flat.grad if flat.grad is not None else torch.zeros_like(flat))
 
     return Wrapped(fsdp, fsdp.module, fsdp.no_sync, full_grads, _sgd(fsdp.parameters()))
 
