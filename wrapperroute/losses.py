@@ -11,7 +11,8 @@ chunk, each rank takes its slice of the logits, and three small all-reduces over
 every rank each row's maximum, sum of exponentials and target logit (only the rank whose slice holds the target
 contributes it). The backward is local for the weight's shard; the hidden states' gradient is the sum of every
 rank's part, all-reduced over the tensor-parallel group. Gradients reach the ``DTensor`` as its shard, as the
-optimizer holds it. Statistics and gradients accumulate in float32 for half, bfloat16 and float32 inputs (float64 in float64).
+optimizer holds it. Statistics and gradients accumulate in float32 for half, bfloat16 and float32 inputs
+(float64 for float64).
 
 Why an autograd function and not torch's ``loss_parallel``: that context needs the logits materialised as one
 ``DTensor`` and the backward run inside it, so every chunk's ``N x V/tp`` logits would stay alive for the
