@@ -11,6 +11,7 @@ Public surface::
 
 from __future__ import annotations
 
+from ._tensor_parallel import TensorParallel
 from .decorators import routed
 from .detect import Detection, detect
 from .diagnostics import SyncReport, check_grad_sync, guard
@@ -35,6 +36,7 @@ __all__ = [
     "RouteTypeError",
     "RouteValueError",
     "SyncReport",
+    "TensorParallel",
     "UnroutedModelWarning",
     "WrapperRouteError",
     "__version__",

@@ -5,7 +5,8 @@
 - Several ranks, trainable parameters, and no wrapper: an :class:`~wrapperroute.UnroutedModelWarning`, once per
   model (each rank may be training its own copy).
 - Quiet: a single process; a module with no trainable parameter (a frozen reference model); a call under
-  ``torch.no_grad()`` (a distillation teacher's forward: no gradient comes of it); a call made inside
+  ``torch.no_grad()`` (a distillation teacher's forward: no gradient comes of it); a tensor-parallel model whose
+  mesh spans every rank (its ranks hold slices of one model, not replicas); a call made inside
   the forward of a distributed wrapper that contains the module (a Lightning ``training_step`` runs inside the
   strategy's wrapper, so the wrapper is armed already and the loss is simply called).
 """
@@ -54,6 +55,9 @@ def speak_up(model: nn.Module, found: Detection) -> bool:
         return True
     if not torch.is_grad_enabled():
         return False  # no gradient comes of this call (a teacher's no_grad forward); a later call is judged again
+    layout = found.tensor_parallel
+    if layout is not None and set(layout.mesh_ranks) >= set(range(dist.get_world_size())):
+        return True  # tensor parallelism over every rank: each holds its own slices of one model, not a replica
     if enclosing_wrapper(model) is not None:
         return False
     warnings.warn(

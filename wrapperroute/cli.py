@@ -25,9 +25,10 @@ from .check.wrappers import WRAPPERS, WrapperCase
 DEFAULT_WRAPPERS = (
     "ddp", "replicate", "fabric_ddp", "fsdp1", "fsdp2", "replicate_fsdp",
     "hsdp", "fsdp2_tail", "fsdp2_keep", "fsdp2_reshard2",  # need 4 ranks
+    "tp2_dp2", "tp2_hsdp", "tp4", "hf_tp2_fsdp2", "hf_tp4",  # need 4 ranks; the head sharded on the vocabulary
     "zero1", "zero2", "zero3",
 )  # fmt: skip
-DEFAULT_LOSSES = ("fused_ce", "backbone_ce", "liger_dpo", "liger_kto")
+DEFAULT_LOSSES = ("fused_ce", "backbone_ce", "liger_dpo", "liger_kto", "vocab_ce", "vocab_dpo")
 PACKAGES = ("torch", "liger-kernel", "deepspeed", "accelerate", "transformers", "trl", "peft")
 
 
@@ -132,7 +133,14 @@ def check(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr)
     from .ranks import RankPool
 
-    cells = [(w, loss, routed) for w in wrappers for loss in losses for routed in (False, True)]
+    pairs = [(w, loss) for w in wrappers for loss in losses if WRAPPERS[w].runs(loss)]
+    cells = [(w, loss, routed) for w, loss in pairs for routed in (False, True)]
+    left_out = sorted({w for w in wrappers if not all(WRAPPERS[w].runs(loss) for loss in losses)})
+    for name in left_out:
+        print(f"wrapperroute: {name} runs only the losses that read a head sharded on the vocabulary: "
+              f"{', '.join(WRAPPERS[name].losses or ())}", file=sys.stderr)  # fmt: skip
+    if not cells:
+        raise UsageError("no wrapper given runs any loss given (a tensor-parallel head needs a vocab_* loss)")
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
     progress = sys.stderr

@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 from torch.distributed._composable.contract import REGISTRY_KEY as _REGISTRY_KEY
 
+from ._tensor_parallel import TensorParallel, tensor_parallel_layout
 from .adapters import Adapter, registered
 from .errors import RouteTypeError
 
@@ -38,6 +39,10 @@ class Detection:
     entry
         The layer whose forward :func:`~wrapperroute.route_loss` calls: the wrapper, or an outer layer whose
         own forward must run around it (Lightning Fabric's precision context). ``None`` when nothing is routed.
+    tensor_parallel
+        The tensor-parallel layout of the parameters, beside the data-parallel wrapper (``None`` without one):
+        which mesh dimensions shard which parameters, and whether the head's vocabulary is sharded and over
+        which ranks.
     """
 
     kind: str
@@ -49,6 +54,7 @@ class Detection:
     adapter: Adapter | None = field(default=None, repr=False, compare=False)
     entry: nn.Module | None = field(default=None, repr=False, compare=False)
     entry_adapter: Adapter | None = field(default=None, repr=False, compare=False)
+    tensor_parallel: TensorParallel | None = field(default=None, compare=False)
 
     @property
     def distributed(self) -> bool:
@@ -95,8 +101,10 @@ def detect(model: nn.Module) -> Detection:
             break
     chain.append("module")
     layers.append(module)
+    own = wrapper_adapter.meshes(wrapper) if wrapper is not None and wrapper_adapter is not None else ()
+    layout = tensor_parallel_layout(module, own)
     if wrapper is None or wrapper_adapter is None:
-        return Detection("none", tuple(chain), None, module, tuple(layers), {}, None, entry, entry_adapter)
+        return Detection("none", tuple(chain), None, module, tuple(layers), {}, None, entry, entry_adapter, layout)
     if entry is None:
         entry, entry_adapter = wrapper, wrapper_adapter
     return Detection(
@@ -109,6 +117,7 @@ def detect(model: nn.Module) -> Detection:
         wrapper_adapter,
         entry,
         entry_adapter,
+        layout,
     )
 
 

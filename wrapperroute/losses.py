@@ -110,18 +110,28 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> 
         raise RouteValueError(f"target must be (N,) = ({hidden.shape[0]},), got {tuple(target.shape)}")
 
 
+# A chunk's logits may hold as many elements as the hidden states, and at least this many (8 MiB of float32):
+# smaller chunks spend their time re-reading the weight's gradient, each chunk adding its part to all of it.
+_CHUNK_ELEMENTS = 1 << 21
+
+
 def _chunk_rows(rows: int, hidden_size: int, local_vocab: int, chunk_size: int | None) -> int:
-    """Rows per chunk: given, or so that a chunk's logits are no larger than the hidden states themselves."""
+    """Rows per chunk: given, or so that a chunk's logits hold no more than the hidden states, or 8 MiB of
+    float32 where that is more."""
     if chunk_size is not None:
         if chunk_size < 1:
             raise RouteValueError(f"chunk_size must be a positive number of rows, got {chunk_size}")
         return chunk_size
-    return max(1, min(rows, math.ceil(rows * hidden_size / max(local_vocab, 1))))
+    budget = max(rows * hidden_size, _CHUNK_ELEMENTS)
+    return max(1, min(rows, budget // max(local_vocab, 1)))
 
 
-def _statistics(logits: torch.Tensor, target: torch.Tensor, shard: _Shard) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's log-sum-exp over the whole vocabulary and its target's logit (float32), from this rank's slice
-    of the logits: one MAX and one SUM all-reduce over the tensor-parallel group."""
+def _statistics(
+    logits: torch.Tensor, target: torch.Tensor, shard: _Shard
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's log-sum-exp over the whole vocabulary, its target's logit, and one over its sum of
+    exponentials, from this rank's slice of the logits: one MAX and one SUM all-reduce over the tensor-parallel
+    group. The slice is turned into ``exp(logits - row maximum)`` in place: times the last, the softmax."""
     # a rank holding no vocabulary row (more ranks than rows) contributes -inf
     largest = logits.max(dim=1).values if logits.shape[1] else logits.new_full((logits.shape[0],), -math.inf)
     if shard.group is not None:
@@ -129,20 +139,20 @@ def _statistics(logits: torch.Tensor, target: torch.Tensor, shard: _Shard) -> tu
     local = target - shard.offset
     mine = (local >= 0) & (local < logits.shape[1])
     picked = logits.gather(1, local.clamp(0, max(logits.shape[1] - 1, 0)).unsqueeze(1)).squeeze(1)
-    sums = torch.stack([(logits - largest.unsqueeze(1)).exp().sum(dim=1), torch.where(mine, picked, 0.0)])
+    exps = logits.sub_(largest.unsqueeze(1)).exp_()
+    sums = torch.stack([exps.sum(dim=1), torch.where(mine, picked, 0.0)])
     if shard.group is not None:
         dist.all_reduce(sums, group=shard.group)
-    return largest + sums[0].log(), sums[1]
+    return largest + sums[0].log(), sums[1], sums[0].reciprocal()
 
 
-def _softmax_minus_onehot(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, shard: _Shard) -> torch.Tensor:
-    """d(-log p(target)) / d(logits) on this rank's slice: softmax, minus one at the target where this slice
-    holds it (in place over ``logits``)."""
-    grad = logits.sub_(lse.unsqueeze(1)).exp_()
+def _minus_onehot(softmax: torch.Tensor, target: torch.Tensor, shard: _Shard) -> torch.Tensor:
+    """d(-log p(target)) / d(logits) on this rank's slice: the softmax, minus one at the target where this slice
+    holds it (in place)."""
     local = target - shard.offset
-    mine = ((local >= 0) & (local < grad.shape[1])).nonzero().squeeze(1)
-    grad[mine, local[mine]] -= 1.0
-    return grad
+    mine = ((local >= 0) & (local < softmax.shape[1])).nonzero().squeeze(1)
+    softmax[mine, local[mine]] -= 1.0
+    return softmax
 
 
 def _finish_hidden_grad(grad: torch.Tensor, shard: _Shard) -> torch.Tensor:
@@ -189,7 +199,7 @@ class _LogProbs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             logits = (hidden[rows] @ weight.t()).to(_accumulating(hidden))
-            lse, picked = _statistics(logits, target[rows], shard)
+            lse, picked, _ = _statistics(logits, target[rows], shard)
             out[rows], lses[rows] = picked - lse, lse
         ctx.save_for_backward(hidden, weight, target, lses)
         ctx.shard, ctx.chunk = shard, chunk
@@ -204,7 +214,8 @@ class _LogProbs(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk)
             logits = (hidden[rows] @ weight.t()).to(_accumulating(hidden))
             # d log p / d logits = onehot - softmax, times the incoming gradient of each row
-            grad = _softmax_minus_onehot(logits, lses[rows], target[rows], shard).mul_(-grad_out[rows].unsqueeze(1))
+            softmax = logits.sub_(lses[rows].unsqueeze(1)).exp_()
+            grad = _minus_onehot(softmax, target[rows], shard).mul_(-grad_out[rows].unsqueeze(1))
             _accumulate(grad, rows, hidden, weight, grad_hidden, grad_weight)
         if grad_hidden is not None:
             grad_hidden = _finish_hidden_grad(grad_hidden, shard).to(hidden.dtype)
@@ -230,11 +241,12 @@ class _CrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             logits = (hidden[rows] @ weight.t()).to(_accumulating(hidden))
-            lse, picked = _statistics(logits, target[rows], shard)
+            lse, picked, inverse = _statistics(logits, target[rows], shard)
             kept = keep[rows]
             total += torch.where(kept, lse - picked, 0.0).sum()
             if grad_hidden is not None or grad_weight is not None:
-                grad = _softmax_minus_onehot(logits, lse, target[rows], shard).mul_(kept.unsqueeze(1) * scale)
+                softmax = logits.mul_(inverse.unsqueeze(1))
+                grad = _minus_onehot(softmax, target[rows], shard).mul_(kept.unsqueeze(1) * scale)
                 _accumulate(grad, rows, hidden, weight, grad_hidden, grad_weight)
         if grad_hidden is not None:
             grad_hidden = _finish_hidden_grad(grad_hidden, shard)
@@ -246,8 +258,10 @@ class _CrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
-        scaled = [None if g is None else (g * grad_out).to(d) for g, d in ((grad_hidden, hidden_dtype),
-                                                                          (grad_weight, weight_dtype))]  # fmt: skip
+        # the common incoming gradient, 1: the gradients as they are, no copy of the weight's (one number read)
+        one = grad_out.numel() == 1 and float(grad_out) == 1.0
+        scaled = [None if g is None else (g if one else g * grad_out).to(d)
+                  for g, d in ((grad_hidden, hidden_dtype), (grad_weight, weight_dtype))]  # fmt: skip
         return scaled[0], scaled[1], None, None, None, None, None
 
 
@@ -273,8 +287,8 @@ def linear_logprobs(
     ``hidden`` is ``(N, H)``, ``weight`` the head's ``(V, H)``: a plain tensor, or a DTensor sharded on the
     vocabulary over one mesh dimension (its other dimensions replicated). ``target`` holds ``N`` token ids in
     ``[0, V)``; one outside gives ``-logsumexp`` of its row: mask such rows yourself. ``chunk_size``: rows per
-    chunk (default: a chunk's logits no larger than ``hidden``). The preference losses (DPO, KTO) are built on
-    these; see ``docs/tensor-parallel.md``.
+    chunk (default: a chunk's logits no larger than ``hidden``, or 8 MiB of float32 where that is more). The
+    preference losses (DPO, KTO) are built on these; see ``docs/tensor-parallel.md``.
     """
     hidden, local, target, shard, chunk = _operands(hidden, weight, target, chunk_size)
     out: torch.Tensor = _LogProbs.apply(hidden, local, target, shard, chunk)

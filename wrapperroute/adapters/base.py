@@ -198,6 +198,11 @@ class Adapter(Layer):
         makes differ. The default: none (a wrapper that shards every parameter)."""
         return []
 
+    def meshes(self, wrapper: nn.Module) -> tuple[Any, ...]:
+        """The device meshes this wrapper itself shards or replicates parameters over (FSDP2's, ``replicate``'s),
+        so that a tensor-parallel layout on the same parameters is told apart from it. Default: none."""
+        return ()
+
     def read_whole(self, wrapper: nn.Module) -> contextlib.AbstractContextManager[Any]:
         """Context entered *outside* the wrapper's forward in which a frozen model's weights that a loss reads
         directly (the root's own parameters, the output embedding) are whole: a reference or teacher model that

@@ -88,6 +88,15 @@ class FSDP2Adapter(Adapter):
     def nested_units(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
         return units_for(wrapper, wrapper, gather, _is_unit, _auto_units)
 
+    def meshes(self, wrapper: nn.Module) -> tuple[Any, ...]:
+        found: list[Any] = []
+        for unit in wrapper.modules():  # every unit's groups, known from fully_shard on (no forward needed)
+            if _is_unit(unit):
+                for group in _param_groups(unit._get_fsdp_state()):  # type: ignore[operator]
+                    if all(mesh is not group.mesh_info.mesh for mesh in found):
+                        found.append(group.mesh_info.mesh)
+        return tuple(found)
+
     def step_ranks(self, wrapper: nn.Module) -> tuple[int, ...] | None:
         # Every rank of the groups' mesh runs the step: HSDP's replicate x shard ranks, or a sub-mesh of the
         # world (TP + FSDP2, models on disjoint ranks), never simply WORLD. Read from FSDP's state, not the

@@ -93,6 +93,10 @@ class ReplicateAdapter(Adapter):
     def step_ranks(self, wrapper: nn.Module) -> tuple[int, ...] | None:
         return group_ranks(_process_group(wrapper))
 
+    def meshes(self, wrapper: nn.Module) -> tuple[Any, ...]:
+        mesh = _option(wrapper, "device_mesh", None)
+        return (mesh,) if mesh is not None else ()
+
     def replicas(self, wrapper: nn.Module) -> list[Replica]:
         return replicated(wrapper, group_copies(_process_group(wrapper)))
 

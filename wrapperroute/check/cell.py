@@ -104,13 +104,16 @@ def run_cell(cell: Cell) -> dict[str, Any]:
 
     wrapped = WRAPPERS[cell.wrapper].build(build_model(config), dict(cell.wrapper_opts))
     extras = case.extras(config)
-    reference = build_none(build_model(config), {})
+    reference = build_none(wrapped.twin if wrapped.twin is not None else build_model(config), {})
+    # under tensor parallelism the ranks of one group read one batch: batches go by data-parallel replica
+    data_rank = rank if wrapped.data_rank is None else wrapped.data_rank
+    data_world = world if wrapped.data_world is None else wrapped.data_world
     reference_extras = case.extras(config)
     isolated_before = routing_state().isolated
     for step in range(cell.steps):
         try:
             for micro in range(cell.accum):
-                batch = make_batch(case, config, rank, step, micro, cell.rows)
+                batch = make_batch(case, config, data_rank, step, micro, cell.rows)
                 last = micro == cell.accum - 1
                 with contextlib.nullcontext() if last else wrapped.no_sync():
                     if cell.routed:
@@ -128,7 +131,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         differ, rank_diff = differing_across_ranks(grads)
 
         for micro in range(cell.accum):
-            batches = [make_batch(case, config, r, step, micro, cell.rows) for r in range(world)]
+            batches = [make_batch(case, config, r, step, micro, cell.rows) for r in range(data_world)]
             ref_loss = case.compute(reference.model, case.concat(batches), reference_extras)  # type: ignore[arg-type]
             (ref_loss * wrapped.loss_scale).backward()
         ref_grads = reference.full_grads()

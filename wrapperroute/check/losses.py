@@ -174,6 +174,38 @@ def _func_chunked(model: TinyCausalLM, batch: Batch, extras: dict[str, Any]) -> 
     return out
 
 
+# --- wrapperroute.losses' primitives: a head read whole or sharded on the vocabulary ----------------------------
+
+
+def hidden_states(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The final hidden states, (batch, seq, hidden): the tiny LM's forward, or a transformers model's base."""
+    if isinstance(model, TinyCausalLM):
+        return model(ids)
+    base: Any = model.get_submodule("model")
+    return base(input_ids=ids).last_hidden_state
+
+
+def _vocab_ce(model: nn.Module, batch: Batch, extras: dict[str, Any]) -> torch.Tensor:
+    from ..losses import linear_cross_entropy
+
+    head: Any = model.get_submodule("lm_head")
+    hidden = hidden_states(model, batch["input_ids"]).flatten(0, 1)
+    return linear_cross_entropy(hidden, head.weight, batch["labels"].flatten(), chunk_size=5)
+
+
+def _vocab_dpo(model: nn.Module, batch: Batch, extras: dict[str, Any]) -> torch.Tensor:
+    """DPO without a reference model (its log-ratios are the policy's log-probabilities), on
+    ``linear_logprobs``: each sequence's log-probability summed over its tokens."""
+    from ..losses import linear_logprobs
+
+    ids = torch.cat([batch["chosen"], batch["rejected"]])
+    head: Any = model.get_submodule("lm_head")
+    hidden = hidden_states(model, ids).flatten(0, 1)
+    logps = linear_logprobs(hidden, head.weight, torch.roll(ids, -1, dims=1).flatten(), chunk_size=5)
+    chosen, rejected = logps.view(ids.shape).sum(dim=1).chunk(2)
+    return -F.logsigmoid(0.1 * (chosen - rejected)).mean()
+
+
 LOSSES: dict[str, LossCase] = {
     "fused_ce": LossCase("fused_ce", _ce_batch, _fused_ce),
     "backbone_ce": LossCase("backbone_ce", _ce_batch, _backbone_ce),
@@ -194,6 +226,8 @@ LOSSES: dict[str, LossCase] = {
         config=TinyConfig(vocab=2048, hidden=64, layers=1, seq=8),
     ),
     "func_chunked": LossCase("func_chunked", _ce_batch, _func_chunked),
+    "vocab_ce": LossCase("vocab_ce", _ce_batch, _vocab_ce),
+    "vocab_dpo": LossCase("vocab_dpo", _pair_batch, _vocab_dpo),
 }
 
 

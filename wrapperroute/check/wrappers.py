@@ -22,13 +22,26 @@ class Wrapped:
     step: Callable[[], None]  # optimizer step (+ zero_grad)
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward  # DeepSpeed: engine.backward
     loss_scale: float = 1.0  # gradients are of loss * loss_scale (DeepSpeed divides by its GA steps)
+    # Tensor parallelism: ranks of one tensor-parallel group read the same batch. This rank's data-parallel
+    # index and the number of data-parallel replicas (None: every rank is one).
+    data_rank: int | None = None
+    data_world: int | None = None
+    twin: nn.Module | None = None  # the one-process reference with the same weights (None: the check's tiny LM)
 
 
 def missing_package(requires: str | None) -> str | None:
-    """Why a case needing the importable package ``requires`` cannot run here, or None."""
-    if requires is None or importlib.util.find_spec(requires) is not None:
+    """Why a case needing the importable module ``requires`` (a package, or a module of one) cannot run here, or
+    None. A package is looked up without importing it."""
+    if requires is None:
         return None
-    return f"needs the package {requires!r}, which is not installed"
+    top = requires.split(".")[0]
+    if importlib.util.find_spec(top) is None:
+        return f"needs the package {top!r}, which is not installed"
+    try:
+        found = importlib.util.find_spec(requires) is not None
+    except ImportError:
+        found = False
+    return None if found else f"needs {requires!r}, which the installed {top} does not have"
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,7 @@ class WrapperCase:
     defaults: tuple[tuple[str, Any], ...] = ()  # options merged under the cell's own
     cpu_torch: tuple[tuple[int, int], str] | None = None  # (oldest torch it runs right on CPU/gloo, why)
     min_ranks: int = 2  # fewer ranks make the layout degenerate (HSDP's 2-D mesh, resharding to 2 of 4 ranks)
+    losses: tuple[str, ...] | None = None  # the only losses this layout runs (a sharded head needs vocab_* ones)
 
     def unavailable(self, nproc: int | None = None) -> str | None:
         """Why this wrapper cannot be checked here (on CPU ranks; on ``nproc`` of them, if given), or None."""
@@ -56,6 +70,10 @@ class WrapperCase:
 
     def available(self) -> bool:
         return self.unavailable() is None
+
+    def runs(self, loss: str) -> bool:
+        """Whether this layout runs ``loss`` (a head sharded on the vocabulary runs the vocabulary-parallel ones)."""
+        return self.losses is None or loss in self.losses
 
     def build(self, model: nn.Module, opts: dict[str, Any]) -> Wrapped:
         module_name, function_name = self.builder.split(":")
@@ -152,6 +170,9 @@ def build_fabric(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
     return Wrapped(module, inner, no_sync, _replicated_grads(inner), step, fabric.backward)
 
 
+# The losses that read a head sharded on the vocabulary: wrapperroute.losses' primitives.
+VOCAB_LOSSES = ("vocab_ce", "vocab_dpo")
+
 WRAPPERS: dict[str, WrapperCase] = {
     "none": WrapperCase("none", f"{__name__}:build_none"),
     "ddp": WrapperCase("ddp", f"{__name__}:build_ddp"),
@@ -185,6 +206,17 @@ WRAPPERS: dict[str, WrapperCase] = {
             ("fsdp2_keep", (("groups", "layers"), ("reshard", False))),
             ("fsdp2_reshard2", (("groups", "layers"), ("reshard", 2))),
         )
+    },
+    **{
+        name: WrapperCase(name, "wrapperroute.check.wrap_tp:build_tp", defaults=defaults, min_ranks=4,
+                          losses=VOCAB_LOSSES)
+        for name, defaults in (("tp2_dp2", (("tp", 2),)), ("tp2_hsdp", (("tp", 2), ("hsdp", True))),
+                               ("tp4", (("tp", 4),)))
+    },
+    **{
+        name: WrapperCase(name, "wrapperroute.check.wrap_tp:build_hf_tp", "transformers.distributed",
+                          defaults=(("tp", tp),), min_ranks=4, losses=VOCAB_LOSSES)
+        for name, tp in (("hf_tp2_fsdp2", 2), ("hf_tp4", 4))
     },
     **{
         f"zero{stage}": WrapperCase(

@@ -1,0 +1,123 @@
+"""Rank bodies for tests/test_tensor_parallel.py, on 4 ranks: a head sharded on the vocabulary (module level: the
+pool pickles them by reference)."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from conftest import REPO
+
+from wrapperroute import detect, route_loss
+from wrapperroute.check.models import TinyConfig, build_model
+from wrapperroute.losses import linear_cross_entropy, linear_logprobs
+
+sys.path.insert(0, str(REPO / "examples"))
+import tp_preference
+
+VOCAB, HIDDEN, ROWS = 512, 32, 24  # rows x hidden (the hidden gradient's all-reduce) well under a head shard
+
+
+def _head(tp: int, requires_grad: bool = True, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """The same (VOCAB, HIDDEN) head on every rank, whole, and as a DTensor sharded on the vocabulary over ``tp``
+    ranks of a (dp, tp) mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+    whole = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(seed))
+    sharded = distribute_tensor(whole, mesh["tp"], [Shard(0)]).requires_grad_(requires_grad)
+    return whole.requires_grad_(requires_grad), sharded, mesh
+
+
+def collective_sizes(tp: int) -> dict[str, Any]:
+    """Every collective the losses run (forward and backward), as the profiler sees them on gloo, in elements;
+    and, for the premise, what gathering the head (``full_tensor()``) moves."""
+    _, weight, _ = _head(tp)
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(ROWS, HIDDEN, generator=generator, requires_grad=True)
+    target = torch.randint(0, VOCAB, (ROWS,), generator=generator)
+
+    def sizes(run: Any) -> list[int]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            run()
+        found = [event for event in prof.events() if event.name.startswith("gloo:")]
+        return [int(torch.tensor(shape).prod()) for event in found for shape in event.input_shapes if shape]
+
+    return {
+        "shard": weight.to_local().numel(),
+        "cross_entropy": sizes(lambda: linear_cross_entropy(hidden, weight, target, chunk_size=8).backward()),
+        "logprobs": sizes(lambda: linear_logprobs(hidden, weight, target, chunk_size=8).sum().backward()),
+        "full_tensor": sizes(lambda: weight.full_tensor()),
+    }
+
+
+def preference_against_liger(tp: int) -> dict[str, Any]:
+    """DPO and KTO of examples/tp_preference.py on a head sharded over ``tp`` ranks, against Liger's chunked
+    losses on the whole head in one process (every rank computes both on the same batch): the losses and the
+    gradients of the hidden states and of the head."""
+    from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss, LigerFusedLinearKTOLoss
+
+    whole, sharded, _ = _head(tp)
+    ref_whole, ref_sharded, _ = _head(tp, requires_grad=False, seed=5)
+    generator = torch.Generator().manual_seed(2)
+    batch, seq = 4, 6
+    hidden = torch.randn(batch, seq, HIDDEN, generator=generator)
+    ref_hidden = torch.randn(batch, seq, HIDDEN, generator=generator)
+    target = torch.randint(0, VOCAB, (batch, seq), generator=generator)
+    target[0, :2] = -100
+    preference = torch.tensor([True, False, True, False])
+    found = {}
+    for name in ("dpo", "kto"):
+        ours_hidden = hidden.clone().requires_grad_()
+        theirs_hidden = hidden.clone().requires_grad_()
+        sharded.grad = whole.grad = None
+        if name == "dpo":
+            ours = tp_preference.dpo_loss(ours_hidden, sharded, target, ref_hidden, ref_sharded)
+            theirs = LigerFusedLinearDPOLoss(beta=0.1, compiled=False)(
+                whole, theirs_hidden, target, ref_input=ref_hidden, ref_weight=ref_whole)[0]  # fmt: skip
+        else:
+            ours = tp_preference.kto_loss(ours_hidden, sharded, target, preference, ref_hidden, ref_sharded)
+            theirs = LigerFusedLinearKTOLoss(beta=0.1, compiled=False, use_ref_model=True)(
+                theirs_hidden, whole, target, preference_labels=preference, ref_input=ref_hidden,
+                ref_weight=ref_whole)[0]  # fmt: skip
+        ours.backward()
+        theirs.backward()
+        assert ours_hidden.grad is not None and theirs_hidden.grad is not None and whole.grad is not None
+        found[name] = {
+            "loss": abs(float(ours.detach()) - float(theirs.detach())),
+            "hidden_grad": float((ours_hidden.grad - theirs_hidden.grad).abs().max()),
+            "head_grad": float((sharded.grad.full_tensor() - whole.grad).abs().max()),  # type: ignore[union-attr]
+            "grad_norm": float(whole.grad.norm()),
+        }
+    return found
+
+
+def layout_and_warnings(tp: int, data_parallel: bool) -> dict[str, Any]:
+    """What detect says of a model whose head is sharded over ``tp`` ranks (FSDP2 over the rest when
+    ``data_parallel``), and whether route_loss warns of unsynchronised replicas."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from wrapperroute.check.wrap_fsdp import fsdp2_api
+
+    model = build_model(TinyConfig())
+    _, _, mesh = _head(tp)
+    parallelize_module(model, mesh["tp"], {"lm_head": ColwiseParallel(use_local_output=False)})
+    if data_parallel:
+        fsdp2_api().fully_shard(model, mesh=mesh["dp"])
+    found = detect(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        route_loss(model, model, lambda: model(torch.zeros(1, 4, dtype=torch.long)).sum())
+    layout = found.tensor_parallel
+    return {
+        "kind": found.kind,
+        "dims": layout.dims if layout else None,
+        "sharded": dict(layout.sharded) if layout else None,
+        "head_vocab_sharded": layout.head_vocab_sharded if layout else None,
+        "head_ranks": layout.head_ranks if layout else None,
+        "warnings": [type(w.message).__name__ for w in caught],
+    }

@@ -1,0 +1,76 @@
+"""Tensor-parallel heads on 4 CPU ranks: the vocabulary-parallel losses move nothing of the head's size, match
+Liger's DPO and KTO on one process, and detect/route_loss see the layout. Gradient truth of whole training
+steps on (dp x tp) meshes, by hand and by transformers, is `wrapperroute check`'s: run here on its cells."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import rankside_tensor_parallel as rtp
+
+from wrapperroute.check.cell import Cell, is_exact, run_cell
+from wrapperroute.check.wrappers import WRAPPERS
+from wrapperroute.ranks import RankPool
+
+
+@pytest.fixture(scope="module")
+def four() -> Iterator[RankPool]:
+    with RankPool(4) as ranks:
+        yield ranks
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_no_collective_moves_the_head(four: RankPool, tp: int) -> None:
+    for rank in four.run(rtp.collective_sizes, tp):
+        shard = rank["shard"]
+        assert rank["full_tensor"] == [shard], rank  # the premise: gathering the head moves a shard per rank
+        for loss in ("cross_entropy", "logprobs"):
+            assert rank[loss] and max(rank[loss]) < shard, (loss, rank)
+            # per chunk of 8 rows: the rows' maxima, then their sums and target logits; the hidden gradient once
+            assert max(rank[loss]) == rtp.ROWS * rtp.HIDDEN, (loss, rank)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="liger-kernel is not installed")
+@pytest.mark.parametrize("tp", [2, 4])
+def test_dpo_and_kto_equal_ligers_on_one_process(four: RankPool, tp: int) -> None:
+    for rank in four.run(rtp.preference_against_liger, tp):
+        for name in ("dpo", "kto"):
+            found = rank[name]
+            assert found["grad_norm"] > 0, rank
+            assert max(found["loss"], found["hidden_grad"], found["head_grad"]) <= 1e-6, (name, rank)
+
+
+def test_detect_sees_the_layout_and_route_loss_stays_quiet(four: RankPool) -> None:
+    ranks = four.run(rtp.layout_and_warnings, 2, True)
+    assert [r["head_ranks"] for r in ranks] == [(0, 1), (0, 1), (2, 3), (2, 3)], ranks
+    for rank in ranks:
+        assert rank["kind"] == "fsdp2" and rank["dims"] == ("tp",), rank
+        assert rank["sharded"] == {"lm_head.weight": "Shard(0) over tp"} and rank["head_vocab_sharded"], rank
+        assert rank["warnings"] == [], rank
+    for rank in four.run(rtp.layout_and_warnings, 4, False):  # tensor parallel over every rank: no replica
+        assert rank["kind"] == "none" and rank["head_ranks"] == (0, 1, 2, 3) and rank["warnings"] == [], rank
+    for rank in four.run(rtp.layout_and_warnings, 2, False):  # two copies of a tp=2 model, nothing syncing them
+        assert rank["kind"] == "none" and rank["warnings"] == ["UnroutedModelWarning"], rank
+
+
+LAYOUTS = ["tp2_dp2", "tp2_hsdp", "tp4", "hf_tp2_fsdp2", "hf_tp4"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_check_cells_exact(four: RankPool, layout: str) -> None:
+    """Routed: 0 parameters differing across ranks, <= 1e-6 from one process on the global batch. Unrouted,
+    where a data-parallel wrapper shards the head: the read outside its forward crashes."""
+    reason = WRAPPERS[layout].unavailable(4)
+    if reason is not None:
+        pytest.skip(f"{layout} {reason}")
+    for loss in ("vocab_ce", "vocab_dpo"):
+        routed = four.run(run_cell, Cell(wrapper=layout, loss=loss, routed=True, steps=2))
+        assert all(is_exact(rank) and rank["params"] > 0 for rank in routed), routed
+        unrouted: list[dict[str, Any]] = four.run(run_cell, Cell(wrapper=layout, loss=loss, routed=False))
+        if layout in ("tp2_dp2", "tp2_hsdp", "hf_tp2_fsdp2"):
+            assert all(rank["error"] is not None for rank in unrouted), unrouted
+        else:  # no data-parallel wrapper: nothing to route through, the same arithmetic
+            assert all(is_exact(rank) for rank in unrouted), unrouted
