@@ -50,8 +50,6 @@ class _Shard:
 def _vocab_shard(weight: torch.Tensor) -> _Shard:
     """The local slice of a head weight: the tensor itself, or a DTensor's local part (differentiable back to
     the DTensor) with where it sits in the vocabulary."""
-    if weight.dim() != 2:
-        raise RouteValueError(f"weight must be the head's (V, H) matrix, got shape {tuple(weight.shape)}")
     placements = getattr(weight, "placements", None)
     mesh = getattr(weight, "device_mesh", None)
     if placements is None or mesh is None:
@@ -101,6 +99,10 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> 
     for name, value in (("hidden", hidden), ("weight", weight), ("target", target)):
         if not isinstance(value, torch.Tensor):
             raise RouteTypeError(f"{name} must be a tensor, got {type(value).__name__}")
+    if weight.dim() != 2:
+        hint = (" (a ZeRO-3 partitioned parameter read outside the engine's forward has 0 elements: compute the loss "
+                "inside it, wrapperroute.route_loss)") if weight.numel() == 0 else ""  # fmt: skip
+        raise RouteValueError(f"weight must be the head's (V, H) matrix, got shape {tuple(weight.shape)}{hint}")
     if hidden.dim() != 2 or hidden.shape[1] != weight.shape[-1]:
         raise RouteValueError(
             f"hidden must be (N, H) with H = weight.shape[1] = {weight.shape[-1]}, got {tuple(hidden.shape)}; "
