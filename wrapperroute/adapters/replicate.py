@@ -35,13 +35,18 @@ def _ddp_of(module: nn.Module) -> DistributedDataParallel | None:
     return getattr(state, "_ddp", None) if state is not None else None
 
 
+def _given(module: nn.Module) -> dict[str, Any]:
+    """The arguments ``replicate()`` recorded for the DDP its first forward builds."""
+    state = replicate.state(module)
+    return dict(state._init_kwargs) if state is not None else {}
+
+
 def _option(module: nn.Module, name: str, default: Any) -> Any:
     """A DDP option: read from the built DDP, else from the arguments ``replicate()`` recorded for it."""
     ddp = _ddp_of(module)
     if ddp is not None:
         return getattr(ddp, name)
-    state = replicate.state(module)
-    return (state._init_kwargs if state is not None else {}).get(name, default)
+    return _given(module).get(name, default)
 
 
 class ReplicateAdapter(Adapter):
@@ -94,7 +99,7 @@ class ReplicateAdapter(Adapter):
         return group_ranks(_process_group(wrapper))
 
     def meshes(self, wrapper: nn.Module) -> tuple[Any, ...]:
-        mesh = _option(wrapper, "device_mesh", None)
+        mesh = _given(wrapper).get("device_mesh")
         return (mesh,) if mesh is not None else ()
 
     def replicas(self, wrapper: nn.Module) -> list[Replica]:
@@ -107,8 +112,8 @@ def _process_group(module: nn.Module) -> Any:
     ddp = _ddp_of(module)
     if ddp is not None:
         return ddp.process_group
-    group = _option(module, "process_group", None)
-    mesh = _option(module, "device_mesh", None)
+    given = _given(module)
+    group, mesh = given.get("process_group"), given.get("device_mesh")
     return group if group is not None or mesh is None else mesh.get_group()
 
 
