@@ -104,7 +104,7 @@ def test_interrupt_anywhere_leaves_no_state(one_rank: None, grad: bool, case: st
     points = count_points(step)
     assert points > 30, points  # the tracer sees the routed call's own code
     clean = routing_state()
-    assert not (clean.in_flight or clean.passthroughs), clean
+    assert not (clean.in_flight or clean.grad_in_flight or clean.passthroughs), clean
     leftovers = []
     for point in range(1, points + 1):
         interrupted, where = interrupt_at(point, step)
@@ -116,6 +116,7 @@ def test_interrupt_anywhere_leaves_no_state(one_rank: None, grad: bool, case: st
                 ("a forward or hook dict not put back", any(a is not b for a, b in zip(now, before, strict=True))),
                 ("a lock held", routing_state().locks_held),
                 ("a call still counted in flight", routing_state().in_flight),
+                ("a graph-recording call still counted", routing_state().grad_in_flight),
                 ("this thread still marked as routing", routing_state().routing_here),
             )
             if bad

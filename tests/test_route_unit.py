@@ -9,7 +9,7 @@ from torch import nn
 
 import wrapperroute as wr
 from wrapperroute._fallback import _fallback_key, _is_graph_optimizer_failure
-from wrapperroute._swap import _Token
+from wrapperroute._swap import _Call, _swap_for
 from wrapperroute.check.models import TinyConfig, build_model
 
 
@@ -58,14 +58,16 @@ def test_submodule_is_accepted_as_unwrapped() -> None:
     assert wr.route_loss(model, model.lm_head, lambda: 5) == 5
 
 
-def test_token_survives_ddp_input_handling() -> None:
-    """DDP moves (``_to_kwargs``) and casts (``_cast_forward_inputs``) its inputs: the token, a plain object
+def test_call_survives_ddp_input_handling() -> None:
+    """DDP moves (``_to_kwargs``) and casts (``_cast_forward_inputs``) its inputs: the call, a plain object
     that is neither tensor nor container, must come out as the very same object. This is what makes a call
     with ``device_ids`` set work (no GPU here to run DDP with device_ids)."""
     from torch.distributed.utils import _cast_forward_inputs, _to_kwargs
 
+    from wrapperroute.adapters.ddp import DDPAdapter
+
     module = nn.Linear(1, 1)
-    call = _Token(module, print, (), {}, None, None)
+    call = _Call(module, module, module, _swap_for(module), DDPAdapter(), print, (), {}, None, None, "auto")
     moved_args, moved_kwargs = _to_kwargs((call,), {}, torch.device("cpu"), False)
     assert moved_args[0][0] is call and moved_kwargs[0] == {}
     cast_args, _ = _cast_forward_inputs(torch.bfloat16, call)
@@ -93,7 +95,7 @@ def test_graph_optimizer_failure_is_recognised_through_the_chain() -> None:
 def test_fast_path_facts_match_what_the_adapters_do() -> None:
     """route_loss trusts each adapter's class facts instead of asking: an adapter that says it enters nothing on
     a plain call must return NOTHING there, and one that says it picks no units must not override the two
-    methods its fast path skips; one that says it repairs nothing must not override repair. A layer that is
+    methods its fast path skips; one that marks no forward must not override in_forward or repair. A layer that is
     only peeled has no routing verb at all."""
     from wrapperroute.adapters import registered
     from wrapperroute.adapters.base import NOTHING, Adapter
@@ -101,12 +103,12 @@ def test_fast_path_facts_match_what_the_adapters_do() -> None:
     for adapter in registered():
         kind = type(adapter)
         if not isinstance(adapter, Adapter):
-            assert not adapter.distributed and not hasattr(adapter, "inside"), kind
+            assert not adapter.distributed and not hasattr(adapter, "around_loss"), kind
             continue
-        if not adapter.repairs:
-            assert kind.repair is Adapter.repair, kind
+        if kind.marks_forward is Adapter.marks_forward:  # marks nothing: route_loss never asks the other two
+            assert kind.repair is Adapter.repair and kind.in_forward is Adapter.in_forward, kind
         if not adapter.enters_every_call:
-            assert adapter.inside(torch.nn.Linear(1, 1), isolate=False, gather=()) is NOTHING, kind
+            assert adapter.around_loss(torch.nn.Linear(1, 1), isolate=False, gather=()) is NOTHING, kind
         if not adapter.picks_units:
             assert kind.validate_gather is Adapter.validate_gather, kind
             assert kind.nested_units is Adapter.nested_units, kind

@@ -1,23 +1,23 @@
-"""The functorch fallback: a compiled ``torch.func`` loss that DDP's graph optimizer cannot split is run once
-more isolated from that optimizer (``adapters/ddp.py``), and stays isolated for the process."""
+"""Running a routed call, and the functorch fallback: a compiled ``torch.func`` loss that DDP's graph optimizer
+cannot split is run once more isolated from that optimizer (``adapters/ddp.py``), and stays isolated for the
+process. What happens to the wrapper after a loss that raised is ``_faults.py``'s."""
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
-import torch
+from ._faults import _recover
+from ._swap import _Call, _enter, _RefusedError
+from ._torch_internals import enable_saved_tensor_hooks, saved_tensor_hooks_enabled
+
+log = logging.getLogger("wrapperroute")
 
 # Code objects (or callable types) of losses that failed under DDP's graph optimizer: routed isolated from
 # then on, so the failure and the retry happen once per process, not once per step.
 _isolated_losses: set[object] = set()
-
-
-# Called before every routed step (only its error path reads it): the C function itself, not a wrapper.
-_saved_tensor_hooks_enabled: Callable[[], bool] = getattr(
-    torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True
-)
 
 
 def _fallback_key(fn: Callable[..., Any]) -> object:
@@ -43,3 +43,45 @@ def _is_graph_optimizer_failure(error: BaseException) -> bool:
             return True
         pending += [current.__cause__, current.__context__, getattr(current, "inner_exception", None)]
     return False
+
+
+def _retried_isolated(call: _Call, error: BaseException) -> bool:
+    """Whether a call that failed so is run once more isolated: a DDP graph-optimizer failure of an ``"auto"``
+    call not isolated already (FSDP, DeepSpeed: an isolated rerun would be the same call again)."""
+    isolated = call.around is not None and call.around.isolate
+    return (
+        isinstance(error, Exception)
+        and call.mode == "auto"
+        and not isolated
+        and call.adapter.isolates
+        and _is_graph_optimizer_failure(error)
+    )
+
+
+def _run(call: _Call) -> Any:
+    """Enter the wrapper with ``call``; if its loss fails under DDP's graph optimizer, once more isolated from it.
+    Whatever raises leaves the wrapper in its between-steps state."""
+    hooks_enabled = saved_tensor_hooks_enabled()
+    try:
+        return _enter(call)
+    except _RefusedError:
+        raise  # nothing was entered; the wrapper belongs to the thread inside it: leave it alone
+    except BaseException as error:  # KeyboardInterrupt too: a notebook user may go on training
+        _recover(call.adapter, call.wrapper)
+        # A compile that failed inside a torch.func transform leaves it half-run; entering it disabled
+        # saved-tensor hooks, and everything after (the retry, gradient checkpointing) would fail without them.
+        if hooks_enabled and not saved_tensor_hooks_enabled():
+            enable_saved_tensor_hooks()
+        if not _retried_isolated(call, error):
+            raise
+    _isolated_losses.add(_fallback_key(call.fn))
+    log.warning(
+        "wrapperroute: %s failed under DDP's graph optimizer (a torch.func loss split across buckets); "
+        "running it isolated from that optimizer from now on. Pass mode='isolate' to skip the first attempt.",
+        getattr(call.fn, "__qualname__", type(call.fn).__name__),
+    )
+    try:
+        return _enter(call.isolated())
+    except BaseException:
+        _recover(call.adapter, call.wrapper)
+        raise

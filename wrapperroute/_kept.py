@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._torch_internals import autocast_settings
+
 _MAX_DEPTH = 16
 
 
@@ -56,7 +58,7 @@ def kept_forward_context(
         return None
     # A fresh autocast per call: an instance keeps its previous state on itself, so sharing one across
     # threads or nested calls would restore the wrong state.
-    settings = [(c.device, c.fast_dtype, c._enabled, c._cache_enabled) for c in casts]  # outermost first
+    settings = [autocast_settings(cast) for cast in casts]  # outermost first
 
     def context() -> contextlib.AbstractContextManager[Any]:
         stack = contextlib.ExitStack()

@@ -7,13 +7,17 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
-from ._swap import _Swap, _swap_for
+from ._fallback import _fallback_key, _isolated_losses
+from ._swap import _Around, _Call, _Swap, _swap_for, _thread
 from ._unrouted import speak_up
 from .adapters import registered
 from .detect import Detection, detect, plain_types
-from .errors import RouteTypeError, RouteValueError
+from .errors import RouteStateError, RouteTypeError, RouteValueError
+
+MODES: tuple[str, ...] = ("auto", "redirect", "isolate")
 
 
 def _as_gather(gather: nn.Module | Iterable[nn.Module] | None) -> tuple[nn.Module, ...]:
@@ -76,20 +80,19 @@ class _Plan:
 
     __slots__ = (
         "adapter",
-        "callee_ref",
         "checked",
+        "enters_every_call",
+        "entry_ref",
         "inner_ref",
         "inner_type",
         "kind",
         "lasting",
         "model_ref",
         "model_type",
-        "nothing_inside",
         "picks_units",
         "plain",
-        "repairs",
         "result_check",
-        "state",
+        "swap",
         "target_ref",
         "wrapper_ref",
     )  # fmt: skip
@@ -110,11 +113,11 @@ class _Plan:
             wrapper, adapter = found.entry, found.entry_adapter
         self.wrapper_ref: Callable[[], nn.Module | None] = _no_wrapper
         # What route_loss calls: the wrapper, or the layer entered around it (Fabric's module).
-        self.callee_ref: Callable[[], nn.Module | None] = _no_wrapper
+        self.entry_ref: Callable[[], nn.Module | None] = _no_wrapper
         self.adapter = adapter
         self.target_ref: Callable[[], nn.Module | None] = _no_wrapper
-        self.state: _Swap | None = None
-        self.nothing_inside = self.picks_units = self.repairs = False
+        self.swap: _Swap | None = None
+        self.enters_every_call = self.picks_units = False
         self.plain = False  # nothing to route through, and already spoken of: route_loss calls fn (see _new_plan)
         self.result_check: Callable[[nn.Module, Any], None] | None = None
         if wrapper is not None and adapter is not None:
@@ -122,13 +125,13 @@ class _Plan:
             target = adapter.redirect_target(wrapper)
             self.wrapper_ref, self.target_ref = weakref.ref(wrapper), weakref.ref(target)
             entry = found.entry if found.entry is not None and found.entry is not wrapper else None
-            self.callee_ref = weakref.ref(entry) if entry is not None else self.wrapper_ref
-            self.state = _swap_for(target)
-            # The adapter's fast-path facts, read once: DDP's every step skips both.
+            self.entry_ref = weakref.ref(entry) if entry is not None else self.wrapper_ref
+            self.swap = _swap_for(target)
+            # The adapter's fast-path facts, read once: DDP's every step skips them.
             self.picks_units = adapter.picks_units
-            self.nothing_inside = not adapter.enters_every_call
-            self.repairs = adapter.repairs
+            self.enters_every_call = adapter.enters_every_call
             self.result_check = adapter.result_check(wrapper)
+            adapter.prepare(wrapper)
         self.checked: dict[int, weakref.ref[nn.Module]] = {}
 
     def current(self, model: nn.Module) -> bool:
@@ -136,7 +139,7 @@ class _Plan:
         module's class unchanged: fully_shard after a first call through a torch.compile or PEFT layer)."""
         if self.model_ref() is not model or self.model_type is not type(model):
             return False
-        if self.state is not None:
+        if self.swap is not None:
             return self.wrapper_ref() is not None
         return type(self.inner_ref()) is self.inner_type
 
@@ -165,5 +168,64 @@ def _new_plan(model: nn.Module) -> _Plan:
     _plans[key] = plan
     # route_loss's fast path for such a model: its plan, found by one lookup, says so. A class change
     # (fully_shard after a first call) misses the plan's class and plans again.
-    plan.plain = plan.state is None and type(model) in plain_types
+    plan.plain = plan.swap is None and type(model) in plain_types
     return plan
+
+
+def resolve(
+    model: nn.Module, unwrapped: nn.Module | None, fn: Callable[..., Any], args: tuple[Any, ...],
+    kwargs: dict[str, Any], mode: str, gather: nn.Module | Iterable[nn.Module] | None,
+) -> _Call | None:  # fmt: skip
+    """The routed call for these arguments, or None when ``fn`` is to be called plainly: no wrapper to route
+    through, or this thread already inside its forward. Checks every argument (raising on a bad one) and
+    repairs wrapper state a failed forward left behind. The plan found by one lookup decides the common step."""
+    if not callable(fn):
+        raise RouteTypeError(
+            f"fn must be callable (the loss to run inside the wrapper), got {type(fn).__name__}; "
+            "pass the function itself, not its result"
+        )
+    if mode != "auto" and mode not in MODES:
+        raise RouteValueError(f"mode must be one of {MODES}, got {mode!r}")
+    plan = _plans.get(id(model))
+    # The step's common case: a plan for this model (dropped with it) whose class and wrapper are unchanged.
+    wrapper = plan.wrapper_ref() if plan is not None and plan.model_type is type(model) else None
+    if wrapper is None or plan is None:  # a first call, a changed model, or a model with no distributed wrapper
+        if (plan is not None and plan.plain and plan.model_type is type(model) and gather is None
+                and (unwrapped is None or unwrapped is model)):  # fmt: skip
+            return None  # a plain module already planned (and spoken of): nothing to route through
+        if plan is None or not plan.current(model):
+            plan = _new_plan(model)
+        wrapper = plan.wrapper_ref()
+    if unwrapped is not None and unwrapped is not plan.inner_ref():
+        plan.validate_inside(model, unwrapped, "unwrapped")
+    modules: tuple[nn.Module, ...] = ()
+    if gather is not None:
+        modules = _as_gather(gather)
+        for module in modules:
+            plan.validate_inside(model, module, "a gather= entry")
+    adapter, swap = plan.adapter, plan.swap
+    if wrapper is None or adapter is None or swap is None:
+        return None
+    if swap.count:  # calls of ours in flight on this target: is this thread's loss one of them?
+        if id(wrapper) in _thread.routing:
+            return None  # already inside this wrapper's forward: armed for this step; entering again clobbers it
+    elif adapter.marks_forward(wrapper):  # a forward runs: this thread's, another's, or one that raised
+        if adapter.in_forward(wrapper):
+            return None  # this thread is inside the wrapper's own forward (fn routed from it): armed already
+        adapter.repair(wrapper)
+    if adapter.distributed and not dist.is_initialized():
+        raise RouteStateError(
+            f"model is a {plan.kind!r} wrapper but torch.distributed has no process group (never initialised, "
+            "or destroyed): its forward cannot synchronise anything. Call torch.distributed.init_process_group "
+            "before routing (and keep it until the last step), or route the unwrapped model without a wrapper."
+        )
+    nested: tuple[nn.Module, ...] = ()
+    if modules or plan.picks_units:
+        adapter.validate_gather(wrapper, modules)
+        nested = adapter.nested_units(wrapper, modules)
+    isolate = mode == "isolate" or (mode == "auto" and bool(_isolated_losses) and _fallback_key(fn) in _isolated_losses)
+    around = (_Around(adapter, isolate, modules, nested)
+              if plan.enters_every_call or isolate or modules or nested else None)  # fmt: skip
+    # the target and the entry are alive while the wrapper is: it holds them
+    return _Call(wrapper, plan.entry_ref(), plan.target_ref(), swap, adapter, fn, args, kwargs, around,  # type: ignore[arg-type]
+                 plan.result_check, mode)  # fmt: skip

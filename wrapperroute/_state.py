@@ -16,6 +16,7 @@ class RoutingState:
     plans: int  # models with a plan
     swaps: int  # modules with a swap record (kept while the module lives)
     in_flight: int  # routed calls running now, every thread
+    grad_in_flight: int  # of those, the calls recording a graph
     locks_held: int  # swap locks held right now
     passthroughs: int  # wrappers whose forward is our passthrough right now
     routing_here: int  # wrappers this thread is running a loss inside
@@ -27,7 +28,8 @@ def routing_state() -> RoutingState:
     return RoutingState(
         plans=len(_plans),
         swaps=len(swaps),
-        in_flight=sum(s.count + s.grad_calls for s in swaps),
+        in_flight=sum(s.count for s in swaps),
+        grad_in_flight=sum(s.grad_calls for s in swaps),
         locks_held=sum(s.lock.locked() for s in swaps),
         passthroughs=sum(s.wrapper is not None for s in swaps),
         routing_here=len(_thread.routing),

@@ -1,15 +1,16 @@
 """The token and the forward swap: how a loss runs inside a wrapper's forward.
 
 The wrapper's forward calls one inner module (``ddp.module``, ``fsdp._fsdp_wrapped_module``, the FSDP2 root
-itself, ``engine.module``). For the length of one call that module gets an instance ``forward`` (the
-*dispatch*) that runs the loss, and the wrapper is called with a single opaque *token* carrying the loss and
-its arguments. The swap is shared by every in-flight call on one module and reference-counted; the last call
-out restores the original forwards.
+itself, ``engine.module``): its *target*. For the length of one routed call the target gets an instance
+``forward`` (the *dispatch*) that runs the loss, and the wrapper is called with a single opaque argument, the
+*call* (``_Call``), carrying the loss, its arguments and everything needed to run it there. The swap is shared
+by every routed call in flight on one target and reference-counted; the last call out restores the original
+forwards.
 
-Why a token and not the loss's arguments: wrappers move, cast and scatter their inputs (DDP's ``_to_kwargs``,
-FSDP2's mixed-precision cast), and with DDP ``device_ids`` set a call with no argument at all fails. The payload
-travels in the token, untouched, and each call carries its own, so two threads routing through one model never
-see each other's loss.
+Why the call and not the loss's arguments: wrappers move, cast and scatter their inputs (DDP's ``_to_kwargs``,
+FSDP2's mixed-precision cast), and with DDP ``device_ids`` set a call with no argument at all fails. The
+arguments travel in the call, untouched, and each call carries its own, so two threads routing through one model
+never see each other's loss.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from .adapters.base import NOTHING
 from .errors import RouteStateError, RouteTypeError
 
 
-class _Inside(NamedTuple):
-    """What the adapter enters around the loss, inside the forward (``Adapter.inside``), and the nested shard
+class _Around(NamedTuple):
+    """What is entered around the loss inside the forward (the adapter's ``around_loss``), and the nested shard
     units whose forwards the loss runs through (outermost first)."""
 
     adapter: Adapter
@@ -60,49 +61,68 @@ class _ThreadState(threading.local):
 _thread = _ThreadState()
 
 
-class _Token:
-    """The token handed to the wrapper: the loss and everything needed to run it inside the forward."""
+class _Call:
+    """One routed call: the loss and its arguments, the wrapper it runs inside and how to get there. Handed to
+    the wrapper as its only argument, it reaches the target's swapped forward untouched."""
 
-    __slots__ = ("args", "extra", "fn", "kwargs", "ran", "result_check", "wrapper")
+    __slots__ = (
+        "adapter", "args", "around", "entry", "fn", "kwargs", "mode", "ran", "result_check", "swap", "target",
+        "wrapper",
+    )  # fmt: skip
 
     def __init__(
-        self,
-        wrapper: nn.Module,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        extra: _Inside | None,
-        check: Callable[[nn.Module, Any], None] | None,
-    ) -> None:
-        self.wrapper = wrapper
+        self, wrapper: nn.Module, entry: nn.Module, target: nn.Module, swap: _Swap, adapter: Adapter,
+        fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], around: _Around | None,
+        result_check: Callable[[nn.Module, Any], None] | None, mode: str,
+    ) -> None:  # fmt: skip
+        self.wrapper = wrapper  # whose forward the loss must run inside
+        self.entry = entry  # what is called: the wrapper, or a layer whose forward runs around it (Fabric's)
+        self.target = target  # the module whose forward the wrapper calls: swapped for the dispatch
+        self.swap = swap  # the target's swap record
+        self.adapter = adapter
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
-        self.extra = extra  # (adapter, isolate, gather, nested units) for adapter.inside; None: nothing to enter
-        self.result_check = check  # the adapter's result check, if it has one
-        self.ran = False  # set when the wrapper's forward reached the loss: else the wrapper changed the token
+        self.around = around  # what to enter around the loss; None: nothing (DDP's every step)
+        self.result_check = result_check  # the adapter's check of the loss's result, if it has one
+        self.mode = mode
+        self.ran = False  # set when the wrapper's forward reached the loss: else the wrapper changed the call
+
+    def isolated(self) -> _Call:
+        """The same call, isolated from DDP's graph optimizer (the functorch fallback)."""
+        around = self.around or _Around(self.adapter, False, (), ())
+        return self._with(self.wrapper, self.entry, self.target, self.swap, around._replace(isolate=True))
+
+    def through(self, unit: nn.Module) -> _Call:
+        """The same loss entered through a nested shard unit's forward, the units after it still to enter."""
+        assert self.around is not None  # only a call with nested units gets here
+        target = self.adapter.redirect_target(unit)
+        around = self.around._replace(nested=self.around.nested[1:])
+        return self._with(unit, unit, target, _swap_for(target), around)
+
+    def _with(self, wrapper: nn.Module, entry: nn.Module, target: nn.Module, swap: _Swap,
+              around: _Around) -> _Call:  # fmt: skip
+        return _Call(wrapper, entry, target, swap, self.adapter, self.fn, self.args, self.kwargs, around,
+                     self.result_check, self.mode)  # fmt: skip
 
     def __repr__(self) -> str:  # shows up in wrapper error messages; keep it short
         return f"<wrapperroute call of {getattr(self.fn, '__qualname__', type(self.fn).__name__)}>"
 
 
-def _run_inside(call: _Token, kept: Callable[[], contextlib.AbstractContextManager[Any]] | None) -> Any:
+def _run_loss(call: _Call, kept: Callable[[], contextlib.AbstractContextManager[Any]] | None) -> Any:
     """The loss inside what must be entered around it: the contexts of the target's own instance forward
     (accelerate's autocast), and the adapter's (a gather, the functorch isolation, nested shard units)."""
     with kept() if kept is not None else NOTHING:
-        if call.extra is None:
+        around = call.around
+        if around is None:
             return call.fn(*call.args, **call.kwargs)
-        adapter, isolate, gather, nested = call.extra
-        with adapter.inside(call.wrapper, isolate=isolate, gather=gather):
-            if nested:  # a shard unit the loss reads from: enter its forward too
-                unit = nested[0]
-                rest = call.extra._replace(nested=nested[1:])
-                token = _Token(unit, call.fn, call.args, call.kwargs, rest, call.result_check)
-                return _enter_wrapper(unit, adapter, None, None, token, unit)
+        with around.adapter.around_loss(call.wrapper, isolate=around.isolate, gather=around.gather):
+            if around.nested:  # a shard unit the loss reads from: enter its forward too
+                return _enter(call.through(around.nested[0]))
             return call.fn(*call.args, **call.kwargs)
 
 
-def _validate_result(call: _Token, result: Any) -> None:
+def _validate_result(call: _Call, result: Any) -> None:
     if type(result) in _LAZY_RESULTS:
         raise RouteTypeError(
             f"fn returned a {type(result).__name__}: its body has not run, so the loss would be "
@@ -167,46 +187,46 @@ _swaps_lock = threading.Lock()
 
 
 def _swap_for(target: nn.Module) -> _Swap:
-    state = _swaps.get(id(target))
-    if state is None:
+    swap = _swaps.get(id(target))
+    if swap is None:
         with _swaps_lock:
-            state = _swaps.get(id(target))
-            if state is None:
-                state = _swaps[id(target)] = _Swap(target)
+            swap = _swaps.get(id(target))
+            if swap is None:
+                swap = _swaps[id(target)] = _Swap(target)
                 weakref.finalize(target, _swaps.pop, id(target), None)
-    return state
+    return swap
 
 
-def _make_dispatch(target_ref: weakref.ref[nn.Module], state: _Swap) -> Callable[..., Any]:
+def _make_dispatch(target_ref: weakref.ref[nn.Module], swap: _Swap) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         call = args[0] if args else None
-        if type(call) is not _Token or len(args) != 1 or kwargs:
+        if type(call) is not _Call or len(args) != 1 or kwargs:
             # Another thread calling the model normally while a loss is routed: behave as the real forward. (A
-            # wrapper that changed our token lands here too; _enter_wrapper then says so.)
+            # wrapper that changed our call lands here too; _enter then says so.)
             target = target_ref()
             if target is None:  # unreachable while the module is being called; keeps the types honest
                 raise RouteStateError("the routed module was garbage-collected during its own forward")
-            return _original_forward(target, state.saved)(*args, **kwargs)
+            return _original_forward(target, swap.saved)(*args, **kwargs)
         call.ran = True
         wrapper = call.wrapper
-        if state.wrapper is None and id(wrapper) != state.target_id:
+        if swap.wrapper is None and id(wrapper) != swap.target_id:
             # The wrapper's passthrough goes in from inside its forward, so our own call of the wrapper never
             # runs through it; the last call out restores it. One per target: a second wrapper over the same
             # module (rare) keeps its own forward, as a second thread's call finds the passthrough in.
-            with state.lock:
-                if state.wrapper is None:
-                    state.last_wrapper = weakref.ref(wrapper)
-                    state.wrapper, state.saved_wrapper = wrapper, wrapper.__dict__.get("forward", _MISSING)
-                    wrapper.__dict__["forward"] = state.passthrough
+            with swap.lock:
+                if swap.wrapper is None:
+                    swap.last_wrapper = weakref.ref(wrapper)
+                    swap.wrapper, swap.saved_wrapper = wrapper, wrapper.__dict__.get("forward", _MISSING)
+                    wrapper.__dict__["forward"] = swap.passthrough
         routing = _thread.routing
         key = id(wrapper)
         try:
             routing.add(key)  # a call of the wrapper from the loss is now a plain inner call (passthrough)
-            kept = state.kept
-            if kept is None and call.extra is None:  # DDP's every step: nothing to enter around the loss
+            kept = swap.kept
+            if kept is None and call.around is None:  # DDP's every step: nothing to enter around the loss
                 result = call.fn(*call.args, **call.kwargs)
             else:
-                result = _run_inside(call, kept)
+                result = _run_loss(call, kept)
         finally:
             routing.discard(key)
         if call.result_check is not None or type(result) in _LAZY_RESULTS:
@@ -216,16 +236,16 @@ def _make_dispatch(target_ref: weakref.ref[nn.Module], state: _Swap) -> Callable
     return forward
 
 
-def _make_passthrough(target_ref: weakref.ref[nn.Module], state: _Swap) -> Callable[..., Any]:
+def _make_passthrough(target_ref: weakref.ref[nn.Module], swap: _Swap) -> Callable[..., Any]:
     """The wrapper's ``forward`` while losses run inside it: in a thread running one, calling the wrapper is a
     plain call of the inner module; in any other thread, the wrapper's real forward."""
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        wrapper = state.wrapper
+        wrapper = swap.wrapper
         if wrapper is None:
             # Read while it was in (another thread's plain model(...) looked it up, then the last routed call
             # ended): the wrapper's forward is back, so run that. Only a copy kept somewhere else is stale.
-            wrapper = state.last_wrapper() if state.last_wrapper is not None else None
+            wrapper = swap.last_wrapper() if swap.last_wrapper is not None else None
             if wrapper is None or wrapper.__dict__.get("forward") is forward:
                 raise RouteStateError("the routed wrapper was called after its loss ended, through a stale forward")
             return wrapper.forward(*args, **kwargs)
@@ -234,7 +254,7 @@ def _make_passthrough(target_ref: weakref.ref[nn.Module], state: _Swap) -> Calla
             if target is None:  # unreachable while a loss runs inside the wrapper
                 raise RouteStateError("the routed module was garbage-collected during its own forward")
             return target(*args, **kwargs)
-        return _original_forward(wrapper, state.saved_wrapper)(*args, **kwargs)
+        return _original_forward(wrapper, swap.saved_wrapper)(*args, **kwargs)
 
     return forward
 
@@ -243,20 +263,10 @@ class _RefusedError(RouteStateError):
     """Another thread is inside this wrapper's forward: refused before entering anything."""
 
 
-def _enter_wrapper(
-    wrapper: nn.Module,
-    adapter: Adapter,
-    target: nn.Module | None,
-    state: _Swap | None,
-    call: _Token,
-    callee: nn.Module | None,
-) -> Any:
-    """Call ``callee`` (the wrapper, or a layer entered around it; None: gone with its model, the wrapper) with
-    ``call``, the token whose loss runs in ``target``'s swapped forward (``target``/``state`` None: a nested
-    shard unit, looked up here)."""
-    if target is None or state is None:  # a nested shard unit: looked up per call (FSDP1, not the hot path)
-        target = adapter.redirect_target(wrapper)
-        state = _swap_for(target)
+def _enter(call: _Call) -> Any:
+    """Call ``call.entry`` (the wrapper, or a layer entered around it) with ``call``, whose loss runs in
+    ``call.target``'s swapped forward."""
+    swap, target = call.swap, call.target
     grad = torch.is_grad_enabled()
     entered = False
     # Ctrl-C (KeyboardInterrupt) can land wherever Python checks for signals: after any call returns, and on
@@ -264,9 +274,10 @@ def _enter_wrapper(
     # of state and the cleanup that undoes it (``with``, not acquire(); ``entered`` set with no call since the
     # swap; the restore inline, stores and deletes only). tests/test_route_interrupts.py interrupts every such point.
     try:
-        with state.lock:
-            if state.count:  # another thread is inside this wrapper's forward (one thread never gets here twice)
-                reason = adapter.concurrency_error(wrapper, grad, state.grad_calls)
+        with swap.lock:
+            if swap.count:  # another thread is inside this wrapper's forward (one thread never gets here twice)
+                adapter = call.adapter
+                reason = adapter.concurrency_error(call.wrapper, grad, swap.grad_calls)
                 if reason is not None:
                     raise _RefusedError(
                         f"another thread is running a routed forward through this {adapter.kind} wrapper right "
@@ -275,46 +286,46 @@ def _enter_wrapper(
                         "groups."
                     )
             else:  # the first call in: swap the target's forward for the dispatch
-                saved = state.saved = target.__dict__.get("forward", _MISSING)
+                saved = swap.saved = target.__dict__.get("forward", _MISSING)
                 if saved is not _MISSING:
-                    state.keep(target, saved)
-                elif state.kept is not None:
-                    state.kept = state.kept_source = None
-                target.__dict__["forward"] = state.dispatch
-            state.count += 1
-            state.grad_calls += grad
+                    swap.keep(target, saved)
+                elif swap.kept is not None:
+                    swap.kept = swap.kept_source = None
+                target.__dict__["forward"] = swap.dispatch
+            swap.count += 1
+            swap.grad_calls += grad
             entered = True
-        result = (wrapper if callee is None else callee)(call)
+        result = call.entry(call)
     except BaseException as error:
-        if entered and not call.ran:  # the wrapper's own error, or a mangled token
+        if entered and not call.ran:  # the wrapper's own error, or a mangled call
             _add_note(
                 error,
-                f"wrapperroute: raised by the {adapter.kind} wrapper before the loss ran (in its pre-forward, or "
-                f"because it did not pass wrapperroute's call token to {type(target).__name__}.forward unchanged)",
+                f"wrapperroute: raised by the {call.adapter.kind} wrapper before the loss ran (in its pre-forward, or "
+                f"because it did not pass wrapperroute's call to {type(target).__name__}.forward unchanged)",
             )
         raise
     finally:
         if entered:
-            with state.lock:
-                state.count -= 1
-                state.grad_calls -= grad
-                if not state.count:  # the last call out puts the original forwards back (written out: no call)
+            with swap.lock:
+                swap.count -= 1
+                swap.grad_calls -= grad
+                if not swap.count:  # the last call out puts the original forwards back (written out: no call)
                     forwards = target.__dict__
-                    if state.saved is not _MISSING:
-                        forwards["forward"] = state.saved
+                    if swap.saved is not _MISSING:
+                        forwards["forward"] = swap.saved
                     elif "forward" in forwards:
                         del forwards["forward"]
-                    state.saved = _MISSING
-                    passed = state.wrapper
+                    swap.saved = _MISSING
+                    passed = swap.wrapper
                     if passed is not None:
                         forwards = passed.__dict__
-                        if state.saved_wrapper is not _MISSING:
-                            forwards["forward"] = state.saved_wrapper
+                        if swap.saved_wrapper is not _MISSING:
+                            forwards["forward"] = swap.saved_wrapper
                         elif "forward" in forwards:
                             del forwards["forward"]
-                        state.wrapper, state.saved_wrapper = None, _MISSING
+                        swap.wrapper, swap.saved_wrapper = None, _MISSING
     if not call.ran:
-        raise _token_lost(target)
+        raise _call_lost(target)
     return result
 
 
@@ -329,9 +340,9 @@ def _add_note(error: BaseException, note: str) -> None:
         error.__notes__ = [*getattr(error, "__notes__", ()), note]  # type: ignore[attr-defined]
 
 
-def _token_lost(target: nn.Module) -> RouteStateError:
+def _call_lost(target: nn.Module) -> RouteStateError:
     return RouteStateError(
-        f"the wrapper returned without running the loss: it did not pass wrapperroute's call token to "
+        f"the wrapper returned without running the loss: it did not pass wrapperroute's call to "
         f"{type(target).__name__}.forward unchanged. Report this wrapper; meanwhile compute the loss through "
         "model(...) directly."
     )

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._torch_internals import foreach_norm
+
 __all__ = [
     "Exchange",
     "Mismatch",
@@ -153,7 +155,7 @@ def signatures(rows: Sequence[Row]) -> list[float]:
             wide = tensor.dtype if tensor.dtype in (torch.float32, torch.float64) else torch.float32
             by_dtype.setdefault(wide, []).append((index, tensor if tensor.dtype == wide else tensor.to(wide)))
     for members in by_dtype.values():
-        norms = torch.stack(torch._foreach_norm([tensor for _, tensor in members])).tolist()
+        norms = torch.stack(foreach_norm([tensor for _, tensor in members])).tolist()
         for (index, _), norm in zip(members, norms, strict=True):
             out[index] = norm
     return out

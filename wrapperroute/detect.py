@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
-from torch.distributed._composable.contract import REGISTRY_KEY as _REGISTRY_KEY
 
 from ._tensor_parallel import TensorParallel, tensor_parallel_layout
+from ._torch_internals import COMPOSABLE_REGISTRY_KEY
 from .adapters import Adapter, registered
 from .errors import RouteTypeError
 
@@ -127,7 +127,7 @@ def unrouted_state(module: nn.Module) -> list[str]:
     adapters = registered()
     found: list[str] = []
     for name, sub in module.named_modules():
-        apis = [api for api in getattr(sub, _REGISTRY_KEY, None) or () if api != "checkpoint"]
+        apis = [api for api in getattr(sub, COMPOSABLE_REGISTRY_KEY, None) or () if api != "checkpoint"]
         if apis and not any(adapter.claims(sub) for adapter in adapters):
             found.append(f"{name or '<root>'} ({type(sub).__name__}): {', '.join(apis)}")
     return found

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._torch_internals import at_end_of_backward
 from .adapters._copies import group_copies
 from .adapters.base import Replica
 from .crossrank import Row, compare
@@ -144,7 +145,7 @@ def guard(model: nn.Module, on_error: Literal["raise", "warn"] = "raise") -> Ite
         if state["checked"]:  # once per backward
             return
         state["checked"] = True
-        torch.autograd.Variable._execution_engine.queue_callback(reset)
+        at_end_of_backward(reset)
         if state["armed"] or not syncs():
             return
         reset()  # the backward may abort below, and its end-of-backward callback with it

@@ -12,17 +12,22 @@ adapter (kind)     class facts                                  overrides
 =================  ===========================================  =============================================
 compile, peft      a Layer: peeled only                         claims, peel
 fabric             enters, not distributed                      claims, peel
-ddp                distributed, isolates, repairs               in_forward, describe, inside (isolate),
-                                                                result_check (find_unused), concurrency_error,
-                                                                step_ranks, repair
-replicate          distributed, isolates, enters_every_call     the same, and recover
-fsdp1              distributed, shards, picks_units             redirect_target, in_forward, describe, recover,
-                                                                nested_units, step_ranks, read_whole (warns)
-fsdp2              distributed, shards, picks_units,            in_forward, describe, recover, nested_units,
-                   enters_every_call                            inside (hooks set aside), step_ranks, read_whole
+ddp                distributed, isolates                        marks_forward, in_forward, repair, describe,
+                                                                around_loss (isolate), result_check
+                                                                (find_unused), concurrency_error, step_ranks,
+                                                                replicas
+replicate          distributed, isolates, enters_every_call     the same, recover and meshes
+fsdp1              distributed, shards, picks_units             redirect_target, marks_forward, describe,
+                                                                recover, nested_units, step_ranks, read_whole
+                                                                (warns)
+fsdp2              distributed, shards, picks_units,            marks_forward, describe, recover, nested_units,
+                   enters_every_call                            around_loss (hooks set aside), step_ranks,
+                                                                read_whole, replicas (HSDP), meshes
 replicate_fsdp     as fsdp2, not shards                         claims
-deepspeed          distributed, shards, picks_units,            in_forward, describe, validate_gather, recover,
-                   enters_every_call                            concurrency_error, inside, step_ranks, read_whole
+deepspeed          distributed, shards, picks_units,            marks_forward, describe, validate_gather,
+                   enters_every_call                            recover, prepare (the head registered), around_loss,
+                                                                concurrency_error, step_ranks, read_whole,
+                                                                replicas (ZeRO 0-2)
 =================  ===========================================  =============================================
 
 The class facts are read once per model and decide ``route_loss``'s fast path; the methods are asked per call
@@ -42,7 +47,7 @@ from torch import nn
 
 from ._hooks import called_here
 
-NOTHING = contextlib.nullcontext()  # reusable and re-entrant: the default ``inside``
+NOTHING = contextlib.nullcontext()  # reusable and re-entrant: the default ``around_loss``
 
 
 @dataclass(frozen=True)
@@ -97,22 +102,19 @@ class Adapter(Layer):
         True when each rank holds a different part of the parameters and gradients by design (FSDP, ZeRO):
         :func:`wrapperroute.check_grad_sync` then does not compare local gradients across ranks.
     isolates
-        True when ``inside(..., isolate=True)`` changes anything: the wrapper's forward sets DDP's forward
+        True when ``around_loss(..., isolate=True)`` changes anything: the wrapper's forward sets DDP's forward
         marker, under which Dynamo applies DDP's graph optimizer (DDP, composable ``replicate``). Only then
         does the functorch fallback retry a loss.
     picks_units
         True when ``validate_gather`` and ``nested_units`` do something (sharded wrappers): asked on every
         call; False lets ``route_loss`` skip both.
     enters_every_call
-        True when ``inside(isolate=False, gather=())`` enters something (FSDP2 sets hooks aside); False means
+        True when ``around_loss(isolate=False, gather=())`` enters something (FSDP2 sets hooks aside); False means
         it returns ``NOTHING`` and ``route_loss`` does not ask it on such calls.
     enters
         True for a layer that is not distributed itself but whose own forward must run around the wrapper's
         (Lightning Fabric's precision context): :func:`wrapperroute.route_loss` calls that layer, not the
         wrapper inside it.
-    repairs
-        True when ``repair`` does something (the wrapper marks a forward in its own state, or DDP's class-wide
-        marker): it is then called before every routed call enters the wrapper.
     """
 
     distributed: ClassVar[bool] = True
@@ -120,7 +122,6 @@ class Adapter(Layer):
     isolates: ClassVar[bool] = False
     picks_units: ClassVar[bool] = False
     enters_every_call: ClassVar[bool] = False
-    repairs: ClassVar[bool] = False
 
     def redirect_target(self, wrapper: nn.Module) -> nn.Module:
         """The module whose ``forward`` the wrapper's forward calls: its forward is swapped for the loss."""
@@ -137,13 +138,18 @@ class Adapter(Layer):
         the wrapper's mark, confirmed by this thread's stack. A query: it changes nothing."""
         return self.marks_forward(wrapper) and called_here(wrapper, sys._getframe(1))
 
+    def prepare(self, wrapper: nn.Module) -> None:
+        """Once per model, before its first routed call enters the wrapper: set up what every routed call relies
+        on (ZeRO-3: the head registered with the root). The default: nothing."""
+
     def repair(self, wrapper: nn.Module) -> None:
-        """Before a routed call enters the wrapper (adapters with ``repairs``): put right state that a forward
+        """Before a routed call enters a wrapper that ``marks_forward`` while this thread is not inside its
+        forward: put right state that a forward
         which raised outside our calls left behind (the bad batch a loop skips): the wrapper marks a forward
         that no thread is running. Left so, FSDP's next forward reuses the parameters that forward gathered,
         however the optimizer changed them since, and FSDP1 refuses ``no_sync``; so the wrapper is returned to
         its between-steps state, as ``recover`` does after a loss of ours raised (FSDP2's documented recovery,
-        ``reset_iter_state``). No collective; no-op when no mark is left (the common case: one attribute read)."""
+        ``reset_iter_state``). No collective; no-op while another thread runs its forward."""
         if self.marks_forward(wrapper) and not any(
             called_here(wrapper, frame) for frame in sys._current_frames().values()
         ):
@@ -153,7 +159,7 @@ class Adapter(Layer):
         """Extra facts for :class:`~wrapperroute.Detection` (e.g. the ZeRO stage)."""
         return {}
 
-    def inside(
+    def around_loss(
         self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]
     ) -> contextlib.AbstractContextManager[Any]:
         """Context entered inside the wrapper's forward, around the loss (on every step: keep it cheap).

@@ -38,7 +38,6 @@ class DDPAdapter(Adapter):
     kind = "ddp"
     distributed = True
     isolates = True
-    repairs = True
 
     def claims(self, module: nn.Module) -> bool:
         return isinstance(module, DistributedDataParallel)
@@ -46,6 +45,10 @@ class DDPAdapter(Adapter):
     def peel(self, module: nn.Module) -> nn.Module:
         inner: nn.Module = module.module  # type: ignore[assignment]
         return inner
+
+    def marks_forward(self, wrapper: nn.Module) -> bool:
+        # One class attribute, set while any DDP forward runs anywhere: whose, this thread's stack says.
+        return DistributedDataParallel._active_ddp_module is not None
 
     def in_forward(self, wrapper: nn.Module) -> bool:
         active = getattr(DistributedDataParallel, "_active_ddp_module", None)
@@ -69,7 +72,7 @@ class DDPAdapter(Adapter):
             "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
         }
 
-    def inside(
+    def around_loss(
         self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]
     ) -> contextlib.AbstractContextManager[Any]:
         return without_graph_optimizer() if isolate else NOTHING

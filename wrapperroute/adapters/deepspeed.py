@@ -26,7 +26,6 @@ once. Without it the in-forward attribute getter gathers each weight lazily on f
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -51,7 +50,6 @@ class DeepSpeedAdapter(Adapter):
     distributed = True
     picks_units = True
     enters_every_call = True
-    repairs = True
     shards = True
 
     def claims(self, module: nn.Module) -> bool:
@@ -111,13 +109,11 @@ class DeepSpeedAdapter(Adapter):
             engine._forward_epilogue()
         engine.empty_partition_cache()
 
-    def repair(self, wrapper: nn.Module) -> None:
-        super().repair(wrapper)
+    def prepare(self, wrapper: nn.Module) -> None:
         engine: DeepSpeedEngine = wrapper
-        if engine not in _head_registered and _stage(engine) == 3:
+        if _stage(engine) == 3:
             head = output_embedding(engine.module)
             _register_with_root(engine, head.parameters() if head is not None else ())
-            _head_registered[engine] = True
 
     def concurrency_error(self, wrapper: nn.Module, grad: bool, grad_calls: int) -> str | None:
         return "a DeepSpeed engine keeps one forward's state (ZeRO-3 gathers, timers, hooks) and is not thread-safe"
@@ -145,14 +141,10 @@ class DeepSpeedAdapter(Adapter):
                     param.ds_active_sub_modules.discard(_READING)
 
     @contextlib.contextmanager
-    def inside(self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]) -> Iterator[None]:
+    def around_loss(self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]) -> Iterator[None]:
         engine: DeepSpeedEngine = wrapper
         with hooks_set_aside(engine.module), _gathered(engine, gather) if _stage(engine) == 3 else NOTHING:
             yield
-
-
-# Engines whose head is registered as an external parameter of their root (see the module's docstring).
-_head_registered: weakref.WeakKeyDictionary[DeepSpeedEngine, bool] = weakref.WeakKeyDictionary()
 
 
 def _register_with_root(engine: DeepSpeedEngine, params: Iterable[Any]) -> None:

@@ -30,7 +30,6 @@ class FSDP1Adapter(Adapter):
     kind = "fsdp1"
     distributed = True
     picks_units = True
-    repairs = True
     shards = True
 
     def claims(self, module: nn.Module) -> bool:

@@ -44,7 +44,6 @@ class FSDP2Adapter(Adapter):
     kind = "fsdp2"
     distributed = True
     picks_units = True
-    repairs = True
     enters_every_call = True
     shards = True
 
@@ -107,7 +106,7 @@ class FSDP2Adapter(Adapter):
                 return tuple(sorted(group.mesh_info.mesh.mesh.flatten().tolist()))
         return None
 
-    def inside(
+    def around_loss(
         self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]
     ) -> contextlib.AbstractContextManager[Any]:
         return hooks_set_aside(wrapper)

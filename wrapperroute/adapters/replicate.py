@@ -54,7 +54,6 @@ class ReplicateAdapter(Adapter):
     distributed = True
     enters_every_call = True
     isolates = True
-    repairs = True
 
     def claims(self, module: nn.Module) -> bool:
         return isinstance(module, ComposableDDP)
@@ -73,7 +72,7 @@ class ReplicateAdapter(Adapter):
             "gradient_as_bucket_view": _option(wrapper, "gradient_as_bucket_view", False),
         }
 
-    def inside(
+    def around_loss(
         self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]
     ) -> contextlib.AbstractContextManager[Any]:
         return _inside(wrapper, isolate)

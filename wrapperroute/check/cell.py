@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .._state import forget_isolated, routing_state
+from .._torch_internals import reset_dynamo
 from ..adapters._copies import group_copies
 from ..crossrank import Row, compare
 from ..route import Mode, route_loss
@@ -99,7 +100,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     case = LOSSES[cell.loss]
     config = cell.config or case.config
     if cell.fresh_compile:
-        torch._dynamo.reset()
+        reset_dynamo()
         forget_isolated()
 
     wrapped = WRAPPERS[cell.wrapper].build(build_model(config), dict(cell.wrapper_opts))

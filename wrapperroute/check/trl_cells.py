@@ -18,9 +18,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .._state import forget_isolated
+from .._torch_internals import (
+    clear_ddp_forward_marker,
+    ddp_forward_marker,
+    enable_saved_tensor_hooks,
+    reset_dynamo,
+    saved_tensor_hooks_enabled,
+)
 
 WORDS = [f"w{i}" for i in range(48)]
 # The DPO crash needs the Liger loss's two requires-grad heads (policy, unfrozen reference) to span >= 2 DDP
@@ -248,19 +254,19 @@ def trl_step(trainer_name: str, variant: str, folder: str, layout: str = "ddp") 
     from .trl_layouts import GradProbe, layout_args
     from .trl_layouts import layout as under
 
-    torch._dynamo.reset()
+    reset_dynamo()
     forget_isolated()
     # A compile that failed inside a torch.func transform (the "naive" variant) leaves saved-tensor hooks
     # disabled; gradient checkpointing would then fail in whatever runs next in this worker.
-    if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
-        torch._C._autograd._saved_tensors_hooks_enable()
+    if not saved_tensor_hooks_enabled():
+        enable_saved_tensor_hooks()
     start = time.perf_counter()
     result: dict[str, Any] = {"trainer": trainer_name, "variant": variant, "layout": layout, "error": None,
                               "differ": None}  # fmt: skip
     # A DDP forward marker left set by an earlier task (overlapping DDP forwards in threads) would make Dynamo
     # compile even the unpatched loss with DDP's graph optimizer: report it, and compile without it.
-    result["stale_ddp_marker"] = DDP._active_ddp_module is not None
-    DDP._active_ddp_module = None
+    result["stale_ddp_marker"] = ddp_forward_marker() is not None
+    clear_ddp_forward_marker()
     unpatch_trl()
     if variant != "unpatched":
         result["patch"] = list(patch_trl(mode="redirect" if variant == "naive" else "isolate").patched)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._torch_internals import fsdp1_flat_units, fsdp1_local_shard, fsdp2_api, replicate_with_fsdp
 from .wrappers import Wrapped, _sgd, gradient_sync_off
 
 
@@ -22,18 +23,12 @@ def gather_flat(fsdp: nn.Module, local: Callable[[Any], torch.Tensor]) -> dict[s
     """Every original parameter's whole tensor of what ``local(flat_param)`` gives as this rank's shard of each
     unit's flat parameter (its gradient, its data): all-gathered and cut back into the original parameters (for
     use_orig_params True and False alike). A collective: every rank, same order."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
     found: dict[str, torch.Tensor] = {}
-    for unit in FSDP.fsdp_modules(fsdp):
-        handle = unit._handle
-        if handle is None:
-            continue
-        flat = handle.flat_param
+    for unit, flat, pieces in fsdp1_flat_units(fsdp):
         shard = local(flat)
-        pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
-        dist.all_gather(pieces, shard.detach().contiguous())
-        full = torch.cat(pieces)
+        gathered = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, shard.detach().contiguous())
+        full = torch.cat(gathered)
         prefix = ""
         for name, module in fsdp.named_modules():
             if module is unit:
@@ -41,19 +36,17 @@ def gather_flat(fsdp: nn.Module, local: Callable[[Any], torch.Tensor]) -> dict[s
         # The flat parameter interleaves alignment padding with the parameters (use_orig_params pads each to 16
         # bytes): walk its padded layout, not the bare numels.
         offset = 0
-        params = iter(zip(flat._fqns, flat._shapes, flat._numels, strict=True))
-        for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
-            if not padding:
-                fqn, shape, _ = next(params)
-                found[prefix + _clean(fqn)] = full[offset : offset + numel].view(shape).clone()
-            offset += numel
+        for piece in pieces:
+            if piece.name is not None:
+                found[prefix + _clean(piece.name)] = full[offset : offset + piece.numel].view(piece.shape).clone()
+            offset += piece.numel
     return found
 
 
 def fsdp1_full_params(fsdp: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter whole, read from each flat parameter's local shard (where a forward left the unit
     unsharded, too: ``summon_full_params`` refuses while a forward's state is pending)."""
-    return gather_flat(fsdp, lambda flat: getattr(flat, "_local_shard", flat))
+    return gather_flat(fsdp, fsdp1_local_shard)
 
 
 def build_fsdp1(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
@@ -70,31 +63,6 @@ def build_fsdp1(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
         return gather_flat(fsdp, lambda flat: flat.grad if flat.grad is not None else torch.zeros_like(flat))
 
     return Wrapped(fsdp, fsdp.module, fsdp.no_sync, full_grads, _sgd(fsdp.parameters()))
-
-
-class Fsdp2Api(NamedTuple):
-    FSDPModule: Any
-    MixedPrecisionPolicy: Any
-    fully_shard: Any
-    DTensor: Any
-
-
-def fsdp2_api() -> Fsdp2Api:
-    """FSDP2's names wherever this torch keeps them (public since torch 2.6, ``DTensor`` since 2.5; under
-    ``_composable.fsdp`` and ``_tensor`` before)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import (  # type: ignore[no-redef,unused-ignore]
-            FSDPModule,
-            MixedPrecisionPolicy,
-            fully_shard,
-        )
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.5
-        from torch.distributed._tensor import DTensor  # type: ignore[no-redef,unused-ignore]
-    return Fsdp2Api(FSDPModule, MixedPrecisionPolicy, fully_shard, DTensor)
 
 
 def build_fsdp2(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
@@ -147,9 +115,9 @@ def build_fsdp2(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
 
 
 def build_replicate_fsdp(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
-    """``replicate`` built on FSDP2 (``torch.distributed._composable.replicate_with_fsdp``). opts:
-    ``lm_head_group`` (lm_head replicated as its own group, default False)."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate
+    """``replicate`` built on FSDP2 (torch >= 2.10). opts: ``lm_head_group`` (lm_head replicated as its own group,
+    default False)."""
+    replicate = replicate_with_fsdp()
 
     if opts.get("lm_head_group", False):
         replicate(model.get_submodule("lm_head"))

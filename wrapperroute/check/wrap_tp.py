@@ -58,7 +58,7 @@ def build_tp(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
     ``hsdp``, over (replicate, shard): a 3-D mesh."""
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from .wrap_fsdp import fsdp2_api
+    from .._torch_internals import fsdp2_api
 
     hsdp = bool(opts.get("hsdp"))
     mesh = _mesh(int(opts["tp"]), hsdp)

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._torch_internals import REPLICATE_WITH_FSDP
+
 
 @dataclass
 class Wrapped:
@@ -131,9 +133,9 @@ def gradient_sync_off(module: Any) -> Iterator[None]:
 
 def build_replicate(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
     """torch's composable ``replicate()`` (DDP with no wrapper object); opts are DDP's."""
-    from torch.distributed._composable.replicate import replicate
+    from .._torch_internals import composable_replicate
 
-    replicate(model, **opts)
+    composable_replicate()(model, **opts)
     no_sync = functools.partial(gradient_sync_off, model)
     return Wrapped(model, model, no_sync, _replicated_grads(model), _sgd(model.parameters()))
 
@@ -190,7 +192,7 @@ WRAPPERS: dict[str, WrapperCase] = {
     "replicate_fsdp": WrapperCase(
         "replicate_fsdp",
         "wrapperroute.check.wrap_fsdp:build_replicate_fsdp",
-        "torch.distributed._composable.replicate_with_fsdp",  # absent from older torch
+        REPLICATE_WITH_FSDP,
     ),
     **{
         name: WrapperCase(
