@@ -5,6 +5,7 @@ them by reference."""
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import rankside_reliability as rr
@@ -105,3 +106,38 @@ def _agreed_step() -> dict[str, Any]:
     case.compute(reference.model, case.concat(batches), {}).backward()  # type: ignore[arg-type]
     return {"differ": differing_across_ranks(grads)[0], "max_ref_diff": max_grad_diff(grads, reference.full_grads()),
             "params": len(grads)}  # fmt: skip
+
+
+def _summed(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).sum()
+
+
+def unrouted_warning_lines() -> dict[str, Any]:
+    """Where UnroutedModelWarning points when reached through route_loss, a partial of it, and a helper of the
+    user's: the first line outside wrapperroute (here, in this file), each time (a new model each time: the
+    warning is said once per model)."""
+    import functools
+    import warnings
+
+    def helper(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        line = sys._getframe().f_lineno + 1
+        return route_loss(model, model, lambda: model(x).sum()), line
+
+    found = {}
+    x = torch.ones(2, 4)
+    for way in ("route_loss", "partial", "helper"):
+        model = torch.nn.Linear(4, 4)
+        total = functools.partial(_summed, model, x)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if way == "route_loss":
+                line = sys._getframe().f_lineno + 1
+                route_loss(model, model, total)
+            elif way == "partial":
+                line = sys._getframe().f_lineno + 1
+                functools.partial(route_loss, model, model, total)()
+            else:
+                _, line = helper(model, x)
+        said = [w for w in caught if type(w.message).__name__ == "UnroutedModelWarning"]
+        found[way] = [(w.filename, w.lineno) for w in said], (__file__, line)
+    return found

@@ -8,7 +8,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -137,16 +136,18 @@ def test_real_trainers(trainer: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("launcher", ["accelerate", "deepspeed"])
 def test_through_other_launchers(launcher: str) -> None:
     """accelerate launch -m, and the deepspeed launcher's --module mode (which puts --local_rank=N first)."""
-    found = shutil.which(launcher) or pytest.skip(f"the {launcher} CLI is not on PATH")
+    pytest.importorskip(launcher, reason=f"{launcher} is optional: pip install wrapperroute[{launcher}]")
     script = [str(SCRIPTS / "ddp_train.py"), "--loss", "module"]
-    if launcher == "accelerate":
+    if launcher == "accelerate":  # this interpreter's launchers, never another environment's from PATH
         # --multi_gpu selects accelerate's torchrun launcher (--cpu would start one process); the script's own
         # init_process_group("gloo") then runs on CPU
-        command = [found, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                   "--num_machines", "1",
                    "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_port()), "-m",
                    "wrapperroute", "audit", *script]  # fmt: skip
     else:
-        command = [found, "--num_gpus", "2", "--master_port", str(_port()), "--module", "wrapperroute", "audit",
+        command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(_port()),
+                   "--module", "wrapperroute", "audit",
                    *script]  # fmt: skip
     run = _run(command)
     assert _one_final(run).startswith("wrapperroute audit: DESYNC"), run["out"][-2000:] + run["err"][-2000:]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -57,8 +56,9 @@ def test_torchrun_example() -> None:
 
 def test_accelerate_launch_example() -> None:
     pytest.importorskip("accelerate", reason="accelerate is optional: pip install wrapperroute[accelerate]")
-    launcher = shutil.which("accelerate") or pytest.skip("the accelerate CLI is not on PATH")
-    command = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    # this interpreter's accelerate, never another environment's from PATH
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                   "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_port()),
                str(EXAMPLES / "launch_accelerate.py")]
     _assert_two_ranks_agree(_launch(command), "('ddp', 'module')")
@@ -67,8 +67,9 @@ def test_accelerate_launch_example() -> None:
 def test_deepspeed_launch_example() -> None:
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("DeepSpeed is optional: pip install wrapperroute[deepspeed]")
-    launcher = shutil.which("deepspeed") or pytest.skip("the deepspeed CLI is not on PATH")
-    command = [launcher, "--num_gpus", "2", "--master_port", str(_port()), str(EXAMPLES / "launch_deepspeed.py")]
+    # this interpreter's DeepSpeed launcher, never another environment's from PATH
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(_port()),
+               str(EXAMPLES / "launch_deepspeed.py")]
     _assert_two_ranks_agree(_launch(command), "('deepspeed', 'module') {'zero_stage': 3")
 
 

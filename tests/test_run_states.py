@@ -66,6 +66,12 @@ def test_agree_after_the_process_group_is_made_again(tmp_path: Path) -> None:
         assert rank["old_side_group"] is not None, rank  # the premise: a side group kept from before is dead
 
 
+def test_the_unrouted_warning_points_at_the_callers_line(pool: RankPool) -> None:
+    for rank in pool.run(rankside_run_states.unrouted_warning_lines):
+        for way, (said, expected) in rank.items():
+            assert said == [expected], (way, said, expected)
+
+
 # --- one process, one rank -------------------------------------------------------------------------------------
 
 

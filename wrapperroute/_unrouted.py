@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
@@ -68,6 +69,18 @@ def speak_up(model: nn.Module, found: Detection) -> bool:
         "the Fabric module) as route_loss's first argument. If this module's gradients are synchronised some "
         "other way, silence this: warnings.filterwarnings('ignore', category=wrapperroute.UnroutedModelWarning).",
         UnroutedModelWarning,
-        stacklevel=4,  # speak_up < _new_plan < route_loss < the caller
+        stacklevel=_callers_level(),
     )
     return True
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside wrapperroute, however the call came (``route_loss``,
+    ``@routed``, ``patch_trl``): where the warning points."""
+    level, frame = 1, sys._getframe(1)  # level 1: the function calling warnings.warn
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    return level

@@ -186,7 +186,11 @@ def env(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wrapperroute", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="wrapperroute",
+        description="Prove that a fused loss run inside a distributed wrapper keeps gradients exact (check), and "
+        "whether a training script keeps its data-parallel replicas in sync (audit).",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("check", help="prove routed gradients are exact on local CPU ranks")
     run.add_argument("--nproc", type=int, default=2, help="ranks to spawn (default 2)")

@@ -18,7 +18,7 @@ from .adapters._copies import group_copies
 from .adapters.base import Replica
 from .crossrank import Row, compare
 from .detect import detect
-from .errors import GradSyncError, RouteStateError
+from .errors import GradSyncError, RouteStateError, RouteValueError
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def guard(model: nn.Module, on_error: Literal["raise", "warn"] = "raise") -> Ite
     parameter gradient.
     """
     if on_error not in ("raise", "warn"):
-        raise RouteStateError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
+        raise RouteValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
     found = detect(model)
     if found.kind not in ("ddp", "replicate") or found.wrapper is None:
         yield

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypeVar
 
+import torch
 from torch import nn
 
 from ._fallback import _run
@@ -69,6 +70,8 @@ def route_loss(
     Keyword arguments named ``mode``, ``gather`` or ``agree`` are ``route_loss``'s: pass such arguments to
     ``fn`` with ``functools.partial``.
     """
+    if torch.compiler.is_compiling():  # Dynamo traces a compiled forward that routes: run this eagerly, between
+        return _eager(model, unwrapped, fn, *args, mode=mode, gather=gather, agree=agree, **kwargs)  # its graphs
     call = resolve(model, unwrapped, fn, args, kwargs, mode, gather)  # checks the arguments, finds the wrapper
     if call is None:  # no wrapper to route through, or already inside its forward
         return fn(*args, **kwargs)
@@ -81,3 +84,7 @@ def route_loss(
         raise
     _agree(call.adapter, call.wrapper, None)
     return result
+
+
+# route_loss swaps forwards and reads this thread's stack: eager work, never traced.
+_eager = torch.compiler.disable(route_loss)

@@ -137,15 +137,18 @@ def concurrency_reason(ddp: DistributedDataParallel, grad: bool, grad_calls: int
     return None
 
 
-_RUN_FORWARD = DistributedDataParallel._run_ddp_forward.__code__
+_RUN_FORWARD = DistributedDataParallel._run_ddp_forward.__name__
 _stale_warned = False
 
 
 def _forward_frame(frame: types.FrameType | None, wrapper: nn.Module | None) -> bool:
-    """Whether ``frame`` or a caller is ``wrapper``'s ``_run_ddp_forward`` (any DDP's, when None)."""
+    """Whether ``frame`` or a caller is ``wrapper``'s ``_run_ddp_forward`` (any DDP's, when None). Matched by
+    name and ``self``, not by code object: a DDP subclass may override it (and need not call DDP's own)."""
     while frame is not None:
-        if frame.f_code is _RUN_FORWARD and (wrapper is None or frame.f_locals.get("self") is wrapper):
-            return True
+        if frame.f_code.co_name == _RUN_FORWARD:
+            owner = frame.f_locals.get("self")
+            if owner is wrapper if wrapper is not None else isinstance(owner, DistributedDataParallel):
+                return True
         frame = frame.f_back
     return False
 

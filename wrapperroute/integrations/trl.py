@@ -37,6 +37,7 @@ import importlib.util
 import inspect
 import logging
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -207,7 +208,8 @@ def _trl_redirection_modules(cls: Any) -> list[Any]:
 def fused_loss_trainers(notes: list[str] | None = None) -> list[type]:
     """The installed TRL's trainer classes defined in a module with a Liger path (its source reads
     ``use_liger_kernel``): found by reading the package's files (no list of names or versions), then importing
-    only those modules. A module that fails to import is named in ``notes``."""
+    only those modules. A module that fails to import is named in ``notes``, or, without ``notes``, in a
+    ``RuntimeWarning``."""
     import pathlib
 
     from transformers import Trainer
@@ -224,8 +226,11 @@ def fused_loss_trainers(notes: list[str] | None = None) -> list[type]:
         try:
             module = importlib.import_module(name)
         except Exception as error:  # an optional dependency of an experimental trainer, say
+            said = f"{name} not imported ({type(error).__name__}: {error}): its trainers left alone"
             if notes is not None:
-                notes.append(f"{name} not imported ({type(error).__name__}: {error}): its trainers left alone")
+                notes.append(said)
+            else:
+                warnings.warn(f"wrapperroute: {said}", RuntimeWarning, stacklevel=2)
             continue
         found += [
             value for value in vars(module).values()
