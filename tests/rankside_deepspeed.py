@@ -13,11 +13,11 @@ from torch import nn
 
 from wrapperroute import detect, route_loss
 from wrapperroute.check import cell as cell_module
-from wrapperroute.check.cell import Cell, run_cell
+from wrapperroute.check.cell import Cell, CellResult, run_cell
 from wrapperroute.check.models import TinyConfig, build_model
 
 
-def run_cell_gathering(cell: Cell) -> dict[str, Any]:
+def run_cell_gathering(cell: Cell) -> CellResult:
     """``run_cell`` with ``gather=[unwrapped.lm_head]`` passed to every route_loss call."""
 
     def gathering(model: nn.Module, unwrapped: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:

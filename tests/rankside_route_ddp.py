@@ -228,8 +228,8 @@ def saved_tensor_hooks_after(mode: str) -> dict[str, Any]:
     what gradient checkpointing runs on), whether the error is re-raised or the fallback engages."""
     result = run_cell(Cell(loss="liger_dpo", mode=mode, fresh_compile=True))  # type: ignore[arg-type]
     return {
-        "error": result["error"],
-        "fell_back": result["fell_back"],
+        "error": result.error,
+        "fell_back": result.fell_back,
         "hooks": bool(torch._C._autograd._saved_tensors_hooks_is_enabled()),
     }
 

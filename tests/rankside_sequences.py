@@ -225,8 +225,23 @@ def play(wrapper: str, events: list[str], seed: int, folder: str) -> list[dict[s
     return facts
 
 
-def play_many(wrapper: str, sequences: list[tuple[list[str], int]], folder: str) -> list[list[dict[str, Any]]]:
-    return [play(wrapper, events, seed, f"{folder}/{index}") for index, (events, seed) in enumerate(sequences)]
+TOLERANCE = 1e-6
+
+
+def check(wrapper: str, facts: list[dict[str, Any]], events: list[str]) -> None:
+    """After every event: the same outcome, the same parameters, and check_grad_sync telling the truth."""
+    for index, fact in enumerate(facts):
+        where = f"{wrapper}, event {index} of {events}: {fact}"
+        assert fact["routed_error"] == fact["native_error"], where
+        assert float(fact["max_param_diff"]) <= TOLERANCE, where
+        if fact["truth_in_sync"] is None:  # sharded: nothing replicated, nothing reported
+            assert fact["compared"] == 0, where
+        else:
+            assert fact["reported_in_sync"] == fact["truth_in_sync"], where
+
+
+def play_and_check(wrapper: str, events: list[str], seed: int, folder: str) -> None:
+    check(wrapper, play(wrapper, events, seed, folder), events)
 
 
 def play_skewed(folder: str) -> list[dict[str, Any]]:

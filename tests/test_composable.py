@@ -44,18 +44,18 @@ def _layout(name: str) -> Any:
 
 def _assert_exact(results: list[dict[str, Any]]) -> None:
     for rank in results:
-        assert rank["error"] is None, rank["error"]
-        assert rank["params"] > 0 and rank["differ"] == 0, rank
-        assert rank["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
-    assert results[0]["losses"] != results[1]["losses"], "ranks must see different data"
+        assert rank.error is None, rank.error
+        assert rank.params > 0 and rank.differ == 0, rank
+        assert rank.max_ref_diff <= REFERENCE_TOLERANCE, rank
+    assert results[0].losses != results[1].losses, "ranks must see different data"
 
 
 def _assert_bug(results: list[dict[str, Any]], bug: str) -> None:
     for rank in results:
         if bug == "crash":
-            assert rank["error"] is not None, f"the unrouted path should fail here: {rank}"
+            assert rank.error is not None, f"the unrouted path should fail here: {rank}"
         else:
-            assert rank["error"] is None and rank["differ"] > 0 and rank["max_ref_diff"] > 1e-4, rank
+            assert rank.error is None and rank.differ > 0 and rank.max_ref_diff > 1e-4, rank
 
 
 @pytest.mark.parametrize("layout", [_layout(n) for n in LAYOUTS])

@@ -21,15 +21,15 @@ def _run(pool: RankPool, cell: Cell, fn: Any = run_cell) -> dict[str, Any]:
     start = time.perf_counter()
     results = pool.run(fn, cell)
     for result in results:
-        assert result["error"] is None, result["error"]
+        assert result.error is None, result.error
     print(f"{cell.label()}: {results[0]} ({time.perf_counter() - start:.1f}s)")
     return results[0]
 
 
 def _assert_exact(result: dict[str, Any]) -> None:
-    assert result["params"] > 0
-    assert result["differ"] == 0, result
-    assert result["max_ref_diff"] <= REFERENCE_TOLERANCE, result
+    assert result.params > 0
+    assert result.differ == 0, result
+    assert result.max_ref_diff <= REFERENCE_TOLERANCE, result
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -49,7 +49,7 @@ def test_zero3_unrouted_fails_routed_exact(pool: RankPool, loss: str) -> None:
         pytest.importorskip("liger_kernel", reason="the Liger DPO loss needs liger-kernel")
     results = pool.run(run_cell, Cell(wrapper="zero3", loss=loss, routed=False))
     # Outside the engine's forward the partitioned head is an empty shard.
-    assert all(r["error"] and "size mismatch" in r["error"] for r in results), results
+    assert all(r.error and "size mismatch" in r.error for r in results), results
     _assert_exact(_run(pool, Cell(wrapper="zero3", loss=loss, wrapper_opts={"zero": NO_PERSIST})))
 
 
@@ -75,7 +75,7 @@ def test_zero2_torch_backward_unrouted_misses_forward_hooks(pool: RankPool) -> N
     except RankFailure as failure:  # measured: ZeRO-2's step finds no reduced gradients (KeyError)
         assert set(failure.errors) == {0, 1}
         return
-    assert all(r["error"] is not None or r["max_ref_diff"] > 1e-3 for r in results), results
+    assert all(r.error is not None or r.max_ref_diff > 1e-3 for r in results), results
 
 
 @pytest.mark.parametrize("persist", [False, True])

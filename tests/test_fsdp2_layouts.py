@@ -28,10 +28,10 @@ def pool4() -> Iterator[RankPool]:
 def _assert_exact(results: list[dict[str, Any]]) -> None:
     assert len(results) == 4
     for rank in results:
-        assert rank["error"] is None, rank["error"]
-        assert rank["params"] > 0 and rank["differ"] == 0, rank
-        assert rank["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
-    assert len({tuple(rank["losses"]) for rank in results}) == 4, "ranks must see different data"
+        assert rank.error is None, rank.error
+        assert rank.params > 0 and rank.differ == 0, rank
+        assert rank.max_ref_diff <= REFERENCE_TOLERANCE, rank
+    assert len({tuple(rank.losses) for rank in results}) == 4, "ranks must see different data"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -42,7 +42,7 @@ def test_gradient_truth(pool4: RankPool, layout: str) -> None:
     for loss in ("fused_ce", "backbone_ce"):
         _assert_exact(pool4.run(run_cell, Cell(layout, loss, steps=2)))
     for rank in pool4.run(run_cell, Cell(layout, "backbone_ce", routed=False)):
-        assert rank["error"] is not None and "DTensor" in rank["error"], rank
+        assert rank.error is not None and "DTensor" in rank.error, rank
 
 
 def test_hsdp_accumulation(pool4: RankPool) -> None:
@@ -55,7 +55,7 @@ def test_tail_group_hides_the_bug_for_a_root_loss(pool4: RankPool) -> None:
     (reshard_after_forward=False), so a loss that calls the root and then reads lm_head.weight happens to be
     exact even unrouted; a loss reading the backbone directly still crashes (above). Routing is exact in both."""
     for rank in pool4.run(run_cell, Cell("fsdp2_tail", "fused_ce", routed=False)):
-        assert rank["error"] is None and rank["differ"] == 0 and rank["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
+        assert rank.error is None and rank.differ == 0 and rank.max_ref_diff <= REFERENCE_TOLERANCE, rank
 
 
 def test_agree_runs_among_the_ranks_of_the_wrappers_mesh(pool4: RankPool) -> None:

@@ -56,17 +56,17 @@ def _cell(loss: str, setting: str, routed: bool) -> Cell:
 def test_gradient_truth(pool: RankPool, loss: str, setting: str) -> None:
     routed = pool.run(run_cell, _cell(loss, setting, routed=True))
     for rank in routed:
-        assert rank["error"] is None, rank["error"]
-        assert rank["params"] > 0
-        assert rank["differ"] == 0, rank
-        assert rank["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
-    assert routed[0]["losses"] != routed[1]["losses"], "ranks must see different data"
+        assert rank.error is None, rank.error
+        assert rank.params > 0
+        assert rank.differ == 0, rank
+        assert rank.max_ref_diff <= REFERENCE_TOLERANCE, rank
+    assert routed[0].losses != routed[1].losses, "ranks must see different data"
 
     unrouted = pool.run(run_cell, _cell(loss, setting, routed=False))
     for rank in unrouted:
-        assert rank["error"] is None, rank["error"]
-        assert rank["differ"] > 0, f"the unrouted path should desync, or this test proves nothing: {rank}"
-        assert rank["max_ref_diff"] > 1e-4, rank
+        assert rank.error is None, rank.error
+        assert rank.differ > 0, f"the unrouted path should desync, or this test proves nothing: {rank}"
+        assert rank.max_ref_diff > 1e-4, rank
 
 
 @pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed (pip install wrapperroute[liger])")
@@ -86,19 +86,19 @@ def test_functorch_crash_reproduced_and_fallback_exact() -> None:
 def _crash_then_fallback(pool: RankPool, wrapper: str) -> None:
     crashed = pool.run(run_cell, Cell(wrapper, loss="liger_dpo", mode="redirect", fresh_compile=True))
     for rank in crashed:
-        assert rank["error"] is not None and "Cannot access storage of TensorWrapper" in rank["error"], rank
+        assert rank.error is not None and "Cannot access storage of TensorWrapper" in rank.error, rank
 
     fixed = pool.run(run_cell, Cell(wrapper, loss="liger_dpo", mode="auto", steps=3, fresh_compile=True))
     for rank in fixed:
-        assert rank["error"] is None, rank["error"]
-        assert rank["fell_back"], "auto mode should have engaged the fallback on a fresh compile"
-        assert rank["differ"] == 0 and rank["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
+        assert rank.error is None, rank.error
+        assert rank.fell_back, "auto mode should have engaged the fallback on a fresh compile"
+        assert rank.differ == 0 and rank.max_ref_diff <= REFERENCE_TOLERANCE, rank
 
     isolated = pool.run(run_cell, Cell(wrapper, loss="liger_dpo", mode="isolate", fresh_compile=True))
     for rank in isolated:
-        assert rank["error"] is None, rank["error"]
-        assert not rank["fell_back"], "isolate mode needs no failed first attempt"
-        assert rank["differ"] == 0 and rank["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
+        assert rank.error is None, rank.error
+        assert not rank.fell_back, "isolate mode needs no failed first attempt"
+        assert rank.differ == 0 and rank.max_ref_diff <= REFERENCE_TOLERANCE, rank
 
 
 @pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed (pip install wrapperroute[liger])")
@@ -125,7 +125,7 @@ def test_exception_in_fn_restores_and_next_step_exact(pool: RankPool) -> None:
         assert rank["raised"] == "boom inside the loss"
         assert rank["restored"], "the inner module must be left exactly as it was"
         after = rank["after"]
-        assert after["error"] is None and after["differ"] == 0 and after["max_ref_diff"] <= REFERENCE_TOLERANCE
+        assert after.error is None and after.differ == 0 and after.max_ref_diff <= REFERENCE_TOLERANCE
 
 
 def test_nested_route_enters_wrapper_once(pool: RankPool) -> None:

@@ -29,9 +29,9 @@ LOSSES = [
 
 def _assert_exact(results: list[dict[str, Any]]) -> None:
     for rank in results:
-        assert rank["error"] is None, rank["error"]
-        assert rank["params"] > 0 and rank["differ"] == 0, rank
-        assert rank["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
+        assert rank.error is None, rank.error
+        assert rank.params > 0 and rank.differ == 0, rank
+        assert rank.max_ref_diff <= REFERENCE_TOLERANCE, rank
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -41,7 +41,7 @@ def test_gradient_truth(pool: RankPool, layout: str, loss: str) -> None:
     _assert_exact(pool.run(run_cell, Cell(wrapper=wrapper, loss=loss, wrapper_opts=opts, steps=2)))
     unrouted = pool.run(run_cell, Cell(wrapper=wrapper, loss=loss, wrapper_opts=opts, routed=False))
     for rank in unrouted:  # sharded parameters outside the forward: the loss cannot even run
-        assert rank["error"] is not None, f"the unrouted path should fail here: {rank}"
+        assert rank.error is not None, f"the unrouted path should fail here: {rank}"
 
 
 @pytest.mark.parametrize("layout", ["fsdp1-lm_head_unit", "fsdp2-layers"])
@@ -74,7 +74,7 @@ def test_fsdp2_tied_weights_split_groups_error_says_how(pool: RankPool) -> None:
     """Tied weights in two groups: FSDP2 itself refuses, naming the configuration that works (above)."""
     config = TinyConfig(tied=True)
     for rank in pool.run(run_cell, Cell(wrapper="fsdp2", wrapper_opts={"groups": "layers"}, config=config)):
-        assert rank["error"] is not None and "fully_shard([module_a, module_b])" in rank["error"], rank
+        assert rank.error is not None and "fully_shard([module_a, module_b])" in rank.error, rank
 
 
 def test_fsdp2_payload_not_cast(pool: RankPool) -> None:
@@ -89,4 +89,4 @@ def test_reentrant_calls_are_plain(pool: RankPool, layout: str) -> None:
     for rank in pool.run(rankside_route_fsdp.reentrant, wrapper, opts):
         assert rank["differ"] == 0 and rank["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
         after = rank["after"]
-        assert after["error"] is None and after["differ"] == 0 and after["max_ref_diff"] <= REFERENCE_TOLERANCE, after
+        assert after.error is None and after.differ == 0 and after.max_ref_diff <= REFERENCE_TOLERANCE, after

@@ -68,9 +68,9 @@ def test_check_cells_exact(four: RankPool, layout: str) -> None:
         pytest.skip(f"{layout} {reason}")
     for loss in ("vocab_ce", "vocab_dpo"):
         routed = four.run(run_cell, Cell(wrapper=layout, loss=loss, routed=True, steps=2))
-        assert all(is_exact(rank) and rank["params"] > 0 for rank in routed), routed
+        assert all(is_exact(rank) and rank.params > 0 for rank in routed), routed
         unrouted: list[dict[str, Any]] = four.run(run_cell, Cell(wrapper=layout, loss=loss, routed=False))
         if layout in ("tp2_dp2", "tp2_hsdp", "hf_tp2_fsdp2"):
-            assert all(rank["error"] is not None for rank in unrouted), unrouted
+            assert all(rank.error is not None for rank in unrouted), unrouted
         else:  # no data-parallel wrapper: nothing to route through, the same arithmetic
             assert all(is_exact(rank) for rank in unrouted), unrouted

@@ -13,7 +13,7 @@ from torch import nn
 from ._fallback import _fallback_key, _isolated_losses
 from ._swap import _Around, _Call, _Swap, _swap_for, _thread
 from ._unrouted import speak_up
-from .adapters import registered
+from .adapters import Adapter
 from .detect import Detection, detect, plain_types
 from .errors import RouteStateError, RouteTypeError, RouteValueError
 
@@ -46,10 +46,8 @@ def _validate_inside(found: Detection, unwrapped: nn.Module, role: str) -> None:
         )
     if unwrapped is found.inner:
         return
-    if any(
-        layer is unwrapped and any(adapter.kind == kind and adapter.distributed for adapter in registered())
-        for layer, kind in zip(found.layers, found.chain, strict=True)
-    ):
+    if any(each.module is unwrapped and isinstance(each.layer, Adapter) and each.layer.distributed
+           for each in found.peeled):  # fmt: skip
         raise RouteValueError(
             f"{role} is the {found.kind!r} wrapper layer itself, not the module inside it; a loss that calls it "
             f"would enter the wrapper twice. Pass wrapperroute.detect(model).inner (or None) instead."

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from .check.cell import Cell, is_exact, run_cell
+from .check.cell import Cell, CellResult, is_exact, run_cell
 from .check.console import UsageError, cut, last_error_line, rank_env, say_stale_locks
 from .check.losses import LOSSES
 from .check.wrappers import WRAPPERS, WrapperCase
@@ -62,30 +62,30 @@ def _names(value: str | None, known: dict[str, Any], default: tuple[str, ...], w
     return names
 
 
-def _verdict(routed: bool, cell: dict[str, Any]) -> str:
+def _verdict(routed: bool, cell: CellResult) -> str:
     exact = is_exact(cell)
     if routed:
         return "exact" if exact else "FAIL"
-    if cell["error"] is not None:
+    if cell.error is not None:
         return "crashes"
     return "in sync" if exact else "desync"
 
 
-def _row(wrapper: str, loss: str, routed: bool, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    worst = max(ranks, key=lambda r: (r["error"] is not None, r["differ"], r["max_ref_diff"]))
-    error = last_error_line(worst["error"]) if worst["error"] else None
+def _row(wrapper: str, loss: str, routed: bool, ranks: list[CellResult]) -> dict[str, Any]:
+    """One line of the table (and of ``--json``): the worst rank's figures."""
+    worst = max(ranks, key=lambda r: (r.error is not None, r.differ, r.max_ref_diff))
     return {
         "wrapper": wrapper,
         "loss": loss,
         "routed": routed,
-        "params": worst["params"],
-        "differ": worst["differ"],
-        "max_rank_diff": worst["max_rank_diff"],
-        "max_ref_diff": worst["max_ref_diff"],
-        "fell_back": any(r["fell_back"] for r in ranks),
-        "error": error,
+        "params": worst.params,
+        "differ": worst.differ,
+        "max_rank_diff": worst.max_rank_diff,
+        "max_ref_diff": worst.max_ref_diff,
+        "fell_back": any(r.fell_back for r in ranks),
+        "error": last_error_line(worst.error) if worst.error else None,
         "verdict": _verdict(routed, worst),
-        "seconds": round(max(r["seconds"] for r in ranks), 2),
+        "seconds": round(max(r.seconds for r in ranks), 2),
     }
 
 

@@ -25,7 +25,7 @@ import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -165,8 +165,14 @@ def _dtype_code(tensor: torch.Tensor | None) -> str:
     return "" if tensor is None else str(tensor.dtype).removeprefix("torch.")
 
 
-# A row as exchanged: (key, copies, signature, numel or _ABSENT, dtype name).
-Sent = tuple[str, tuple[int, ...], float, int, str]
+class Sent(NamedTuple):
+    """A row as another rank sent it."""
+
+    key: str
+    copies: tuple[int, ...]
+    signature: float
+    numel: int  # _ABSENT: the rank does not hold it
+    dtype: str
 
 
 class Exchange:
@@ -199,7 +205,8 @@ class Exchange:
         sent = sent.to(device)
         received = [torch.empty_like(sent) for _ in range(dist.get_world_size(group))]
         work = dist.all_gather(received, sent, group=group, async_op=True)
-        return Posted(self, slot, group, device, sigs, layout, text, received, work)
+        return Posted(exchange=self, slot=slot, group=group, device=device, sigs=sigs, layout=layout, text=text,
+                      received=received, work=work)  # fmt: skip
 
 
 def _numel(tensor: torch.Tensor | None) -> int:
@@ -239,7 +246,7 @@ class Posted:
                 layouts.append([tuple(row) for row in json.loads(payload[8 * count :])])
             agreed[self.slot] = (heads, layouts)
         return [
-            [(key, tuple(copies), float(sig), int(numel), dtype)
+            [Sent(key, tuple(copies), float(sig), int(numel), dtype)
              for (key, copies, numel, dtype), sig in zip(layout, sigs, strict=True)]
             for layout, sigs in zip(layouts, signed, strict=True)
         ]  # fmt: skip
@@ -287,13 +294,13 @@ def _suspects(everyone: list[list[Sent]], whole: bool) -> list[str]:
     seen: dict[tuple[str, tuple[int, ...]], tuple[float, int, str]] = {}
     suspects: set[str] = set()
     for rows in everyone:
-        for key, copies, sig, numel, dtype in rows:
-            if whole or not math.isfinite(sig):
-                suspects.add(key)
+        for row in rows:
+            if whole or not math.isfinite(row.signature):
+                suspects.add(row.key)
                 continue
-            first = seen.setdefault((key, copies), (sig, numel, dtype))
-            if first != (sig, numel, dtype):
-                suspects.add(key)
+            first = seen.setdefault((row.key, row.copies), (row.signature, row.numel, row.dtype))
+            if first != (row.signature, row.numel, row.dtype):
+                suspects.add(row.key)
     return sorted(suspects)
 
 
@@ -312,7 +319,7 @@ def _measure(
     """Send every suspect whole (its bytes), then compare the copies of each, as values."""
     order = {key: index for index, key in enumerate(suspects)}
     held: list[dict[str, tuple[tuple[int, ...], int, str]]] = [
-        {key: (copies, numel, dtype) for key, copies, _, numel, dtype in rows if key in order} for rows in everyone
+        {row.key: (row.copies, row.numel, row.dtype) for row in rows if row.key in order} for rows in everyone
     ]
 
     def nbytes(entry: tuple[tuple[int, ...], int, str]) -> int:

@@ -9,7 +9,7 @@ from torch import nn
 
 from ._tensor_parallel import TensorParallel, tensor_parallel_layout
 from ._torch_internals import COMPOSABLE_REGISTRY_KEY
-from .adapters import Adapter, registered
+from .adapters import Adapter, Layer, registered
 from .errors import RouteTypeError
 
 _MAX_LAYERS = 32  # a chain deeper than this is a cycle, not a model
@@ -21,6 +21,19 @@ plain_types: set[type] = set()
 
 
 @dataclass(frozen=True)
+class Peeled:
+    """One layer of a model, outermost first: the module, and the layer family that claimed it (``None`` for the
+    innermost module)."""
+
+    module: nn.Module = field(repr=False)
+    layer: Layer | None
+
+    @property
+    def kind(self) -> str:
+        return self.layer.kind if self.layer is not None else "module"
+
+
+@dataclass(frozen=True)
 class Detection:
     """What :func:`detect` found.
 
@@ -29,7 +42,7 @@ class Detection:
         composable DDP), ``"fsdp1"``, ``"fsdp2"``, ``"replicate_fsdp"`` (``replicate`` built on FSDP2),
         ``"deepspeed"``.
     chain
-        The layers peeled, outermost first, ending with ``"module"``: e.g. ``("compile", "ddp", "module")``.
+        The layers' kinds, outermost first, ending with ``"module"``: e.g. ``("compile", "ddp", "module")``.
     wrapper
         The distributed wrapper whose forward :func:`route_loss` calls (``None`` when ``kind == "none"``).
     inner
@@ -43,13 +56,14 @@ class Detection:
         The tensor-parallel layout of the parameters, beside the data-parallel wrapper (``None`` without one):
         which mesh dimensions shard which parameters, and whether the head's vocabulary is sharded and over
         which ranks.
+    peeled
+        Each layer: its module and the family that claimed it (``chain`` and ``layers`` read from it).
     """
 
     kind: str
-    chain: tuple[str, ...]
+    peeled: tuple[Peeled, ...]
     wrapper: nn.Module | None = field(repr=False)
     inner: nn.Module = field(repr=False)
-    layers: tuple[nn.Module, ...] = field(repr=False)
     details: dict[str, Any] = field(default_factory=dict)
     adapter: Adapter | None = field(default=None, repr=False, compare=False)
     entry: nn.Module | None = field(default=None, repr=False, compare=False)
@@ -59,6 +73,14 @@ class Detection:
     @property
     def distributed(self) -> bool:
         return self.wrapper is not None
+
+    @property
+    def chain(self) -> tuple[str, ...]:
+        return tuple(each.kind for each in self.peeled)
+
+    @property
+    def layers(self) -> tuple[nn.Module, ...]:
+        return tuple(each.module for each in self.peeled)
 
 
 def detect(model: nn.Module) -> Detection:
@@ -73,21 +95,19 @@ def detect(model: nn.Module) -> Detection:
             f"model must be a torch.nn.Module (the wrapped model your trainer calls), got {type(model).__name__}"
         )
     known = registered()
-    chain: list[str] = []
-    layers: list[nn.Module] = []
+    peeled: list[Peeled] = []
     wrapper: nn.Module | None = None
     wrapper_adapter: Adapter | None = None
     entry: nn.Module | None = None
     entry_adapter: Adapter | None = None
     module = model
     applied: set[tuple[int, int]] = set()  # (id(adapter), id(module)): FSDP2 peels to the same object
-    while len(chain) < _MAX_LAYERS and type(module) not in plain_types:
+    while len(peeled) < _MAX_LAYERS and type(module) not in plain_types:
         for layer in known:
             key = (id(layer), id(module))
             if key not in applied and layer.claims(module):
                 applied.add(key)
-                chain.append(layer.kind)
-                layers.append(module)
+                peeled.append(Peeled(module, layer))
                 if isinstance(layer, Adapter) and wrapper is None:
                     if layer.distributed:
                         wrapper, wrapper_adapter = module, layer
@@ -96,29 +116,19 @@ def detect(model: nn.Module) -> Detection:
                 module = layer.peel(module)
                 break
         else:
-            if not layers or layers[-1] is not module:  # FSDP2 claims a module and peels to itself
+            if not peeled or peeled[-1].module is not module:  # FSDP2 claims a module and peels to itself
                 plain_types.add(type(module))
             break
-    chain.append("module")
-    layers.append(module)
+    peeled.append(Peeled(module, None))
     own = wrapper_adapter.meshes(wrapper) if wrapper is not None and wrapper_adapter is not None else ()
     layout = tensor_parallel_layout(module, own)
     if wrapper is None or wrapper_adapter is None:
-        return Detection("none", tuple(chain), None, module, tuple(layers), {}, None, entry, entry_adapter, layout)
+        return Detection("none", tuple(peeled), None, module, {}, None, entry, entry_adapter, layout)
     if entry is None:
         entry, entry_adapter = wrapper, wrapper_adapter
-    return Detection(
-        wrapper_adapter.kind,
-        tuple(chain),
-        wrapper,
-        module,
-        tuple(layers),
-        wrapper_adapter.describe(wrapper),
-        wrapper_adapter,
-        entry,
-        entry_adapter,
-        layout,
-    )
+    details = wrapper_adapter.describe(wrapper)
+    return Detection(wrapper_adapter.kind, tuple(peeled), wrapper, module, details, wrapper_adapter, entry,
+                     entry_adapter, layout)  # fmt: skip
 
 
 def unrouted_state(module: nn.Module) -> list[str]:

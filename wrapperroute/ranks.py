@@ -46,6 +46,19 @@ class RankFailure(RuntimeError):
         self.errors = errors
 
 
+class RankAssertionError(RankFailure, AssertionError):
+    """An assertion failed inside a rank: its message opens with the rank, the file and line of the ``assert``
+    and its source, so a test runner's report points at the line where the fact was computed; the rank's whole
+    traceback follows."""
+
+
+def _assertion(error: AssertionError) -> str:
+    """``file:line: source: message`` of the assertion's own frame (the innermost of its traceback)."""
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    message = str(error)
+    return f"{frame.filename}:{frame.lineno}: {frame.line}" + (f": {message}" if message else "")
+
+
 def _watch_parent(parent_pid: int) -> None:
     while True:
         if os.getppid() != parent_pid:
@@ -90,6 +103,8 @@ def _worker(rank: int, world_size: int, store_path: str, conn: Connection, env: 
         fn, args, kwargs = message
         try:
             reply: tuple[str, Any] = ("ok", fn(*args, **kwargs))
+        except AssertionError as error:  # where the failing fact was computed, and the whole traceback
+            reply = ("assert", (_assertion(error), traceback.format_exc()))
         except BaseException:
             reply = ("err", traceback.format_exc())
         try:
@@ -159,6 +174,7 @@ class RankPool:
         deadline = time.monotonic() + timeout
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        assertions: dict[int, str] = {}
         for rank, conn in enumerate(self._conns):
             try:
                 ready = conn.poll(max(0.0, deadline - time.monotonic()))
@@ -169,11 +185,17 @@ class RankPool:
             except (EOFError, OSError):
                 errors[rank] = "the rank process died"
                 continue
+            if status == "assert":
+                assertions[rank], value = value
             (results if status == "ok" else errors)[rank] = value
         if errors:
             self.close()  # a collective may be half done: never reuse that group
             detail = "\n".join(f"--- rank {r}:\n{e}" for r, e in sorted(errors.items()))
             name = getattr(fn, "__qualname__", repr(fn))
+            if assertions:  # the first rank's failed assertion first: where the test's fact was found wrong
+                first = min(assertions)
+                raise RankAssertionError(f"rank {first}: {assertions[first]}\n{name} failed on rank(s) "
+                                         f"{sorted(errors)}:\n{detail}", errors)  # fmt: skip
             raise RankFailure(f"{name} failed on rank(s) {sorted(errors)}:\n{detail}", errors)
         return [results[r] for r in range(self.world_size)]
 

@@ -67,15 +67,15 @@ class CellResult:
 
     @property
     def exact(self) -> bool:
-        return is_exact(self.to_dict())
+        return is_exact(self)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def is_exact(cell: dict[str, Any]) -> bool:
-    """A cell's result, as a dict: no error, no gradient differing across ranks, within the reference tolerance."""
-    return cell["error"] is None and cell["differ"] == 0 and cell["max_ref_diff"] <= REFERENCE_TOLERANCE
+def is_exact(cell: CellResult) -> bool:
+    """No error, no gradient differing across ranks, within the reference tolerance."""
+    return cell.error is None and cell.differ == 0 and cell.max_ref_diff <= REFERENCE_TOLERANCE
 
 
 def differing_across_ranks(grads: dict[str, torch.Tensor]) -> tuple[int, float]:
@@ -91,7 +91,7 @@ def max_grad_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> flo
     return max(float((a[n].float() - b[n].float()).abs().max()) for n in b)
 
 
-def run_cell(cell: Cell) -> dict[str, Any]:
+def run_cell(cell: Cell) -> CellResult:
     """Run ``cell`` on this rank; every rank must call it. Errors inside the step are reported, not raised,
     when every rank hits them at the same point (the crash reproductions)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -145,4 +145,4 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         reference.step()
     result.fell_back = bool(routing_state().isolated - isolated_before)
     result.seconds = time.perf_counter() - start
-    return result.to_dict()
+    return result
