@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import gc
 import inspect
 import pathlib
 import sys
@@ -71,6 +72,22 @@ def points_tracer(on_point: Callable[[types.FrameType], None]) -> Callable[..., 
     return trace
 
 
+@contextlib.contextmanager
+def no_collection(first: bool = False) -> Any:
+    """No garbage collection while a step is traced (``first``: after one now): a finalizer of ours (a plan
+    dropped with its model) run by a collection in the middle of the step would add points, and swallow an
+    interrupt raised there."""
+    if first:
+        gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def interrupt_at(point: int, step: Callable[[], Any]) -> tuple[bool, str]:
     """Run ``step`` with KeyboardInterrupt raised at signal-check point number ``point`` (1-based)."""
     seen = [0]
@@ -82,13 +99,14 @@ def interrupt_at(point: int, step: Callable[[], Any]) -> tuple[bool, str]:
             where[0] = f"{frame.f_code.co_name}:{frame.f_lineno}"
             raise KeyboardInterrupt(f"injected at {where[0]}")
 
-    sys.settrace(points_tracer(on_point))
-    try:
-        step()
-    except KeyboardInterrupt:
-        return True, where[0]
-    finally:
-        sys.settrace(None)
+    with no_collection():
+        sys.settrace(points_tracer(on_point))
+        try:
+            step()
+        except KeyboardInterrupt:
+            return True, where[0]
+        finally:
+            sys.settrace(None)
     return False, where[0]
 
 
@@ -98,9 +116,10 @@ def count_points(step: Callable[[], Any]) -> int:
     def on_point(frame: types.FrameType) -> None:
         seen[0] += 1
 
-    sys.settrace(points_tracer(on_point))
-    try:
-        step()
-    finally:
-        sys.settrace(None)
+    with no_collection(first=True):
+        sys.settrace(points_tracer(on_point))
+        try:
+            step()
+        finally:
+            sys.settrace(None)
     return seen[0]
