@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from wrapperroute import check_grad_sync, detect, route_loss
-from wrapperroute.check.cell import differing_across_ranks, max_grad_diff
+from wrapperroute.check.cell import REFERENCE_TOLERANCE, differing_across_ranks, max_grad_diff
 from wrapperroute.check.losses import LOSSES, make_batch
 
 
@@ -45,6 +45,10 @@ def raised_forward_then_exact(wrapper: str, opts: dict[str, Any], step_after: bo
     (case.compute(reference.model, case.concat(batches), {}) * wrapped.loss_scale).backward()  # type: ignore[arg-type]
     reference.step()
     steps = [rr.truth_step(wrapped, reference, step) for step in (1, 2)]
+    assert raised is not None
+    assert stale == (wrapper != "ddp"), stale  # the premise (DDP restores its marker itself)
+    for step in steps:
+        assert step["params"] and step["differ"] == 0 and step["max_ref_diff"] <= REFERENCE_TOLERANCE, steps
     return {"raised": raised, "stale_mark": stale, "steps": steps}
 
 

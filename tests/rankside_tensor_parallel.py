@@ -47,12 +47,15 @@ def collective_sizes(tp: int) -> dict[str, Any]:
         found = [event for event in prof.events() if event.name.startswith("gloo:")]
         return [int(torch.tensor(shape).prod()) for event in found for shape in event.input_shapes if shape]
 
-    return {
-        "shard": weight.to_local().numel(),
-        "cross_entropy": sizes(lambda: linear_cross_entropy(hidden, weight, target, chunk_size=8).backward()),
-        "logprobs": sizes(lambda: linear_logprobs(hidden, weight, target, chunk_size=8).sum().backward()),
-        "full_tensor": sizes(lambda: weight.full_tensor()),
-    }
+    shard = weight.to_local().numel()
+    assert sizes(lambda: weight.full_tensor()) == [shard]  # the premise: gathering the head moves its shards
+    for loss in (lambda: linear_cross_entropy(hidden, weight, target, chunk_size=8).backward(),
+                 lambda: linear_logprobs(hidden, weight, target, chunk_size=8).sum().backward()):  # fmt: skip
+        moved = sizes(loss)
+        assert moved and max(moved) < shard, (moved, shard)
+        # per chunk of 8 rows: the rows' maxima, then their sums and target logits; the hidden gradient once
+        assert max(moved) == ROWS * HIDDEN, moved
+    return {"shard": shard}
 
 
 def preference_against_liger(tp: int) -> dict[str, Any]:
@@ -93,6 +96,8 @@ def preference_against_liger(tp: int) -> dict[str, Any]:
             "head_grad": float((sharded.grad.full_tensor() - whole.grad).abs().max()),  # type: ignore[union-attr]
             "grad_norm": float(whole.grad.norm()),
         }
+        assert found[name]["grad_norm"] > 0, (name, found[name])
+        assert max(found[name]["loss"], found[name]["hidden_grad"], found[name]["head_grad"]) <= 1e-6, (name, found)
     return found
 
 

@@ -37,11 +37,8 @@ def test_a_plain_forward_that_raised_then_exact(
     """The raised forward leaves FSDP1's, FSDP2's and ZeRO-3's own "in forward" mark set (checked: the
     premise) and, FSDP's, the parameters it gathered in place; an optimizer step makes those stale. The next
     routed steps still run inside the wrapper's forward, on the parameters the optimizer holds: exact."""
-    for rank in pool.run(rankside_run_states.raised_forward_then_exact, wrapper, opts, step_after):
-        assert rank["raised"] is not None, rank
-        assert rank["stale_mark"] == (wrapper != "ddp"), rank  # DDP restores its marker itself
-        for step in rank["steps"]:
-            assert step["params"] and step["differ"] == 0 and step["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
+    # asserted in each rank, where the steps are taken and measured
+    assert len(pool.run(rankside_run_states.raised_forward_then_exact, wrapper, opts, step_after)) == 2
 
 
 def test_check_grad_sync_compares_values_as_they_are(pool: RankPool) -> None:

@@ -24,23 +24,15 @@ def four() -> Iterator[RankPool]:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_no_collective_moves_the_head(four: RankPool, tp: int) -> None:
-    for rank in four.run(rtp.collective_sizes, tp):
-        shard = rank["shard"]
-        assert rank["full_tensor"] == [shard], rank  # the premise: gathering the head moves a shard per rank
-        for loss in ("cross_entropy", "logprobs"):
-            assert rank[loss] and max(rank[loss]) < shard, (loss, rank)
-            # per chunk of 8 rows: the rows' maxima, then their sums and target logits; the hidden gradient once
-            assert max(rank[loss]) == rtp.ROWS * rtp.HIDDEN, (loss, rank)
+    """Asserted in each rank, where the collectives are counted."""
+    assert [rank["shard"] for rank in four.run(rtp.collective_sizes, tp)] == [rtp.VOCAB * rtp.HIDDEN // tp] * 4
 
 
 @pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="liger-kernel is not installed")
 @pytest.mark.parametrize("tp", [2, 4])
 def test_dpo_and_kto_equal_ligers_on_one_process(four: RankPool, tp: int) -> None:
-    for rank in four.run(rtp.preference_against_liger, tp):
-        for name in ("dpo", "kto"):
-            found = rank[name]
-            assert found["grad_norm"] > 0, rank
-            assert max(found["loss"], found["hidden_grad"], found["head_grad"]) <= 1e-6, (name, rank)
+    """Asserted in each rank, where both losses and their gradients are computed."""
+    assert all(set(rank) == {"dpo", "kto"} for rank in four.run(rtp.preference_against_liger, tp))
 
 
 def test_detect_sees_the_layout_and_route_loss_stays_quiet(four: RankPool) -> None:
