@@ -82,7 +82,7 @@ def agree_after_new_process_group(store: str) -> dict[str, Any]:
     """``route_loss(..., agree=True)`` exact, then the default group destroyed and made again (a notebook
     re-running its set-up cell), then routed with ``agree=True`` again on a new DDP: exact. The premise: the
     side group made under the first default group is unknown to the second."""
-    from wrapperroute.crossrank import side_group
+    from wrapperroute._groups import side_group
 
     rank, world = dist.get_rank(), dist.get_world_size()
     before = _agreed_step()

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from wrapperroute import route_loss
+from wrapperroute._groups import collective_device
 from wrapperroute.check.cell import REFERENCE_TOLERANCE
-from wrapperroute.crossrank import collective_device
 from wrapperroute.ranks import RankPool
 
 NEEDS_DS = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._groups import collective_device, side_group
 from .adapters import Adapter
-from .crossrank import collective_device, side_group
 from .errors import RouteStateError
 
 log = logging.getLogger("wrapperroute")

@@ -1,5 +1,5 @@
-"""Every comparison of tensors across ranks, written once: ``check_grad_sync``, the audit, ``wrapperroute check``
-and ``agree=True``'s flag exchange go through here.
+"""Every comparison of tensors across ranks, written once: ``check_grad_sync``, the audit and ``wrapperroute check``
+go through here.
 
 - **Which ranks**: a row names the ranks that must hold a copy equal to this rank's (``copies``): a DDP's process
   group, one dimension of a device mesh, DeepSpeed's data-parallel group (the adapters say which, see
@@ -13,8 +13,8 @@ and ``agree=True``'s flag exchange go through here.
   same infinity, do not, but such tensors are reported as non-finite.
 - **Nothing undeclared**: no ``all_gather_object`` (it needs numpy, which torch does not depend on); rows travel
   as JSON in a byte tensor.
-- **Side groups** live as long as the default process group they were made from: destroyed and initialised
-  again (a notebook re-running its set-up, a sweep of runs in one process), they are made again.
+- **Over groups of our own** where the caller asks (``_groups.side_group``, shared with ``agree=True``'s flag
+  exchange), made again when the default group is.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -30,6 +29,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from ._groups import all_gather_bytes, collective_device, tensor_bytes
 from ._torch_internals import foreach_norm
 
 __all__ = [
@@ -37,82 +37,8 @@ __all__ = [
     "Mismatch",
     "Outcome",
     "Row",
-    "collective_device",
     "compare",
-    "side_group",
 ]
-
-
-# --- groups ----------------------------------------------------------------------------------------------------
-
-_side_groups: dict[tuple[tuple[int, ...] | None, str | None], Any] = {}
-_made_under: weakref.ref[Any] | None = None  # the default group the side groups were made from
-
-
-def side_group(ranks: Sequence[int] | None = None, backend: str | None = None) -> Any:
-    """A process group of our own beside the script's, so our collectives never pair with the script's.
-
-    ``ranks`` None: every rank, created by every rank at the same point. A tuple of ranks: created by those
-    ranks alone (``use_local_synchronization``), whenever they first ask. Made again after the default group is
-    destroyed and initialised again."""
-    global _made_under
-    world = dist.group.WORLD
-    if _made_under is None or _made_under() is not world:
-        _side_groups.clear()
-        _made_under = weakref.ref(world) if world is not None else None
-    key = (None if ranks is None else tuple(ranks), backend)
-    group = _side_groups.get(key)
-    if group is None:
-        if ranks is None:
-            group = dist.new_group(backend=backend)
-        else:
-            group = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
-        _side_groups[key] = group
-    return group
-
-
-def collective_device(group: Any = None) -> torch.device:
-    """Where a tensor for ``group``'s collectives must live: the CPU when the group has a CPU backend (gloo,
-    torch's default ``cpu:gloo,cuda:nccl``), else the current accelerator (``cuda:nccl``)."""
-    config = str(dist.get_backend_config(group))
-    devices = {part.split(":", 1)[0].strip() for part in config.split(",") if ":" in part}
-    if not devices or "cpu" in devices:
-        return torch.device("cpu")
-    kind = sorted(devices)[0]
-    module = getattr(torch, kind, None)
-    current = getattr(module, "current_device", None)
-    return torch.device(kind, current()) if callable(current) else torch.device(kind)
-
-
-def _ranks(group: Any) -> list[int]:
-    return list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
-
-
-def all_gather_bytes(payload: bytes, group: Any, device: torch.device, sizes: list[int] | None = None) -> list[bytes]:
-    """Every rank's ``payload``, in rank order (``sizes``: every rank's payload length, when known already;
-    else one more collective learns them)."""
-    world = dist.get_world_size(group)
-    if sizes is None:
-        mine = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-        lengths = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(lengths, mine, group=group)
-        sizes = [int(length.item()) for length in lengths]
-    longest = max(sizes, default=0)
-    sent = torch.zeros(longest, dtype=torch.uint8)
-    if payload:
-        sent[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    sent = sent.to(device)
-    received = [torch.empty_like(sent) for _ in range(world)]
-    dist.all_gather(received, sent, group=group)
-    return [_bytes(tensor[:size]) for tensor, size in zip(received, sizes, strict=True)]
-
-
-def _bytes(tensor: torch.Tensor) -> bytes:
-    tensor = tensor.cpu().contiguous().clone()  # its own storage, exactly its bytes
-    try:
-        return bytes(tensor.untyped_storage())
-    except TypeError:  # a torch whose storages export no buffer
-        return bytes(tensor.tolist())
 
 
 # --- rows and signatures ---------------------------------------------------------------------------------------
@@ -236,7 +162,7 @@ class Posted:
         if heads == known_heads:  # the signatures came with the heads
             signed = [values[3 : 3 + count] for values, (count, _, _) in zip(received, heads, strict=True)]
         else:  # some rank's rows changed: every rank's signatures and rows (their lengths are in the heads)
-            mine = _bytes(torch.tensor(self.sigs, dtype=torch.float64)) + self.text
+            mine = tensor_bytes(torch.tensor(self.sigs, dtype=torch.float64)) + self.text
             sizes = [8 * count + length for count, _, length in heads]
             payloads = all_gather_bytes(mine, self.group, self.device, sizes)
             signed, layouts = [], []

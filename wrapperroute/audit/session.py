@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .. import crossrank
+from .._groups import side_group
 from ..adapters import Adapter
 from ..errors import GradSyncError
 from .replicas import _SEQ, Comparison, Difference, Finding, compare, compare_later, replicas, wrappers
@@ -73,7 +74,7 @@ class Audit:
         self.finished = False
         self.stepped = False  # some optimizer stepped while several ranks ran
         self.failure: str | None = None  # the audit's own error, once it failed (it audits nothing after)
-        self._group = group  # the gloo group comparisons run on; None: crossrank's side group
+        self._group = group  # the gloo group comparisons run on; None: a side group of our own
         self._exchange = crossrank.Exchange()
         # optimizer id -> (label, comparison) started before its step, finished after it
         self._pending: dict[int, tuple[str, Comparison]] = {}
@@ -132,7 +133,7 @@ class Audit:
 
     def _side_group(self) -> Any:
         if self._group is None:  # made by every rank at the same point: their first audited step
-            return crossrank.side_group(backend="gloo")
+            return side_group(backend="gloo")
         return self._group
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
