@@ -126,3 +126,32 @@ def layout_and_warnings(tp: int, data_parallel: bool) -> dict[str, Any]:
         "head_ranks": layout.head_ranks if layout else None,
         "warnings": [type(w.message).__name__ for w in caught],
     }
+
+
+def uneven_vocabulary(vocab: int) -> dict[str, Any]:
+    """A vocabulary that does not divide by the 4 ranks (torch.chunk's split: 6 -> 2, 2, 2, 0): the rank holding
+    no row still takes part, and every rank's loss and gradients equal torch's on the whole head."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    generator = torch.Generator().manual_seed(3)
+    whole = torch.randn(vocab, HIDDEN, generator=generator, dtype=torch.float64)
+    hidden = torch.randn(ROWS, HIDDEN, generator=generator, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, vocab, (ROWS,), generator=generator)
+    weight = distribute_tensor(whole, mesh, [Shard(0)]).requires_grad_()
+    whole.requires_grad_()
+    ours = linear_cross_entropy(hidden, weight, target, chunk_size=5) + linear_logprobs(hidden, weight, target).sum()
+    ours.backward()
+    ours_hidden, hidden.grad = hidden.grad, None
+    logits = hidden @ whole.t()
+    picked = torch.log_softmax(logits, 1).gather(1, target[:, None]).sum()
+    theirs = torch.nn.functional.cross_entropy(logits, target) + picked
+    theirs.backward()
+    assert ours_hidden is not None and hidden.grad is not None and whole.grad is not None
+    assert torch.allclose(ours, theirs, atol=1e-12, rtol=0), (ours, theirs)
+    assert torch.allclose(ours_hidden, hidden.grad, atol=1e-12, rtol=0)
+    local = weight.grad.to_local()
+    start = min(-(-vocab // dist.get_world_size()) * dist.get_rank(), vocab)
+    assert torch.allclose(local, whole.grad[start : start + local.shape[0]], atol=1e-12, rtol=0)
+    return {"rows": local.shape[0]}

@@ -25,6 +25,18 @@ def test_plain_module_and_compile_layer() -> None:
     assert compiled.chain == ("compile", "module") and compiled.inner is model and not compiled.distributed
 
 
+def test_the_layout_is_read_when_asked_not_per_call() -> None:
+    """``detect`` runs every step under ``@routed`` and ``patch_trl``: it reads no parameter; the tensor-parallel
+    layout walks them on first access, once."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    calls = []
+    walk = model.named_parameters
+    model.named_parameters = lambda *a, **k: calls.append(1) or walk(*a, **k)  # type: ignore[method-assign]
+    found = detect(model)
+    assert calls == [] and repr(found) == "Detection(kind='none', chain=('module',), details={})"
+    assert found.tensor_parallel is None and found.tensor_parallel is None and calls == [1]
+
+
 def test_not_a_module_is_named() -> None:
     with pytest.raises(RouteTypeError, match="got type"):
         detect(nn.Linear)  # type: ignore[arg-type]

@@ -50,11 +50,31 @@ def test_logprobs_are_log_softmax(chunk_size: int | None) -> None:
         assert torch.allclose(a, b, atol=1e-12, rtol=0)
 
 
-def test_no_token_kept_is_nan_as_torch() -> None:
+def test_no_token_kept_is_nan_as_torch_with_zero_gradients() -> None:
+    """An all-padding batch: the loss NaN and the gradients 0, as torch's (a NaN gradient would spread to every
+    rank through the data-parallel all-reduce)."""
     hidden, weight, target = _inputs()
     ignored = torch.full_like(target, -100)
-    assert torch.isnan(linear_cross_entropy(hidden, weight, ignored))
-    assert torch.isnan(F.cross_entropy(hidden @ weight.t(), ignored))
+    ours = linear_cross_entropy(hidden, weight, ignored)
+    theirs = F.cross_entropy(hidden @ weight.t(), ignored)
+    assert torch.isnan(ours) and torch.isnan(theirs)
+    expected = torch.autograd.grad(theirs, (hidden, weight))
+    for a, b in zip(torch.autograd.grad(ours, (hidden, weight)), expected, strict=True):
+        assert torch.equal(a, b) and not a.any()
+
+
+def _matmuls(run: object) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()  # type: ignore[operator]
+    return sum(1 for event in prof.events() if event.name in ("aten::mm", "aten::addmm_"))
+
+
+def test_no_gradient_work_under_no_grad() -> None:
+    """An evaluation loss computes the logits only: one matmul per chunk, none for gradients."""
+    hidden, weight, target = _inputs()
+    with torch.no_grad():
+        assert _matmuls(lambda: linear_cross_entropy(hidden, weight, target, chunk_size=10)) == 4
+    assert _matmuls(lambda: linear_cross_entropy(hidden, weight, target, chunk_size=10)) == 12  # the premise
 
 
 def test_bfloat16_inputs_accumulate_in_float32() -> None:

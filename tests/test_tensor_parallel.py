@@ -66,3 +66,10 @@ def test_check_cells_exact(four: RankPool, layout: str) -> None:
             assert all(rank.error is not None for rank in unrouted), unrouted
         else:  # no data-parallel wrapper: nothing to route through, the same arithmetic
             assert all(is_exact(rank) for rank in unrouted), unrouted
+
+
+@pytest.mark.parametrize("vocab", [6, 9])
+def test_a_rank_without_vocabulary_rows(four: RankPool, vocab: int) -> None:
+    """Asserted in each rank against torch on the whole head; the last rank holds no row of the vocabulary."""
+    rows = [rank["rows"] for rank in four.run(rtp.uneven_vocabulary, vocab)]
+    assert sum(rows) == vocab and rows[-1] == 0, rows

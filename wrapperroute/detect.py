@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,20 +56,27 @@ class Detection:
     tensor_parallel
         The tensor-parallel layout of the parameters, beside the data-parallel wrapper (``None`` without one):
         which mesh dimensions shard which parameters, and whether the head's vocabulary is sharded and over
-        which ranks.
+        which ranks. Read from every parameter on first access (not on the routed path).
     peeled
         Each layer: its module and the family that claimed it (``chain`` and ``layers`` read from it).
     """
 
     kind: str
-    peeled: tuple[Peeled, ...]
+    peeled: tuple[Peeled, ...] = field(repr=False)
     wrapper: nn.Module | None = field(repr=False)
     inner: nn.Module = field(repr=False)
     details: dict[str, Any] = field(default_factory=dict)
     adapter: Adapter | None = field(default=None, repr=False, compare=False)
     entry: nn.Module | None = field(default=None, repr=False, compare=False)
     entry_adapter: Adapter | None = field(default=None, repr=False, compare=False)
-    tensor_parallel: TensorParallel | None = field(default=None, compare=False)
+
+    def __repr__(self) -> str:
+        return f"Detection(kind={self.kind!r}, chain={self.chain!r}, details={self.details!r})"
+
+    @functools.cached_property
+    def tensor_parallel(self) -> TensorParallel | None:
+        own = self.adapter.meshes(self.wrapper) if self.wrapper is not None and self.adapter is not None else ()
+        return tensor_parallel_layout(self.inner, own)
 
     @property
     def distributed(self) -> bool:
@@ -120,15 +128,13 @@ def detect(model: nn.Module) -> Detection:
                 plain_types.add(type(module))
             break
     peeled.append(Peeled(module, None))
-    own = wrapper_adapter.meshes(wrapper) if wrapper is not None and wrapper_adapter is not None else ()
-    layout = tensor_parallel_layout(module, own)
     if wrapper is None or wrapper_adapter is None:
-        return Detection("none", tuple(peeled), None, module, {}, None, entry, entry_adapter, layout)
+        return Detection("none", tuple(peeled), None, module, {}, None, entry, entry_adapter)
     if entry is None:
         entry, entry_adapter = wrapper, wrapper_adapter
     details = wrapper_adapter.describe(wrapper)
     return Detection(wrapper_adapter.kind, tuple(peeled), wrapper, module, details, wrapper_adapter, entry,
-                     entry_adapter, layout)  # fmt: skip
+                     entry_adapter)  # fmt: skip
 
 
 def unrouted_state(module: nn.Module) -> list[str]:

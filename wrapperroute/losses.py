@@ -140,7 +140,10 @@ def _statistics(
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=shard.group)
     local = target - shard.offset
     mine = (local >= 0) & (local < logits.shape[1])
-    picked = logits.gather(1, local.clamp(0, max(logits.shape[1] - 1, 0)).unsqueeze(1)).squeeze(1)
+    if logits.shape[1]:
+        picked = logits.gather(1, local.clamp(0, logits.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    else:
+        picked = logits.new_zeros(logits.shape[0])
     exps = logits.sub_(largest.unsqueeze(1)).exp_()
     sums = torch.stack([exps.sum(dim=1), torch.where(mine, picked, 0.0)])
     if shard.group is not None:
@@ -169,9 +172,12 @@ def _accumulating(tensor: torch.Tensor) -> torch.dtype:
     return torch.promote_types(tensor.dtype, torch.float32)
 
 
-def _buffers(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Float32 gradient accumulators for the inputs that need one (a frozen reference head needs none)."""
-    needs_hidden, needs_weight = ctx.needs_input_grad[:2]
+def _buffers(
+    ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, grad_enabled: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Float32 gradient accumulators for the inputs that need one (a frozen reference head needs none; nothing
+    needs one under ``no_grad``, which ``needs_input_grad`` does not see)."""
+    needs_hidden, needs_weight = (need and grad_enabled for need in ctx.needs_input_grad[:2])
     dtype = _accumulating(hidden)
     return (torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if needs_hidden else None,
             torch.zeros(weight.shape, dtype=dtype, device=weight.device) if needs_weight else None)  # fmt: skip
@@ -232,13 +238,14 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, shard: _Shard, chunk: int,
-        ignore_index: int, mean: bool,
+        ignore_index: int, mean: bool, grad_enabled: bool,
     ) -> torch.Tensor:  # fmt: skip
         keep = target != ignore_index
         dtype = _accumulating(hidden)
         count = keep.sum().to(dtype)
-        scale = 1.0 / count if mean else torch.ones((), dtype=dtype, device=hidden.device)  # no token: NaN, as torch
-        grad_hidden, grad_weight = _buffers(ctx, hidden, weight)
+        # no token kept: the loss is NaN (0/0, as torch's) and the gradients 0 (as torch's), not 0 * inf
+        scale = 1.0 / count.clamp_min(1) if mean else torch.ones((), dtype=dtype, device=hidden.device)
+        grad_hidden, grad_weight = _buffers(ctx, hidden, weight, grad_enabled)
         total = torch.zeros((), dtype=_accumulating(hidden), device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
@@ -254,7 +261,7 @@ class _CrossEntropy(torch.autograd.Function):
             grad_hidden = _finish_hidden_grad(grad_hidden, shard)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.dtypes = (hidden.dtype, weight.dtype)
-        return total * scale
+        return total / count if mean else total
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -264,7 +271,7 @@ class _CrossEntropy(torch.autograd.Function):
         one = grad_out.numel() == 1 and float(grad_out) == 1.0
         scaled = [None if g is None else (g if one else g * grad_out).to(d)
                   for g, d in ((grad_hidden, hidden_dtype), (grad_weight, weight_dtype))]  # fmt: skip
-        return scaled[0], scaled[1], None, None, None, None, None
+        return scaled[0], scaled[1], None, None, None, None, None, None
 
 
 def _operands(
@@ -322,5 +329,7 @@ def linear_cross_entropy(
         safe = torch.where(keep, target, 0)
         nll = -_LogProbs.apply(hidden, local, safe, shard, chunk)
         return torch.where(keep, nll, 0.0)
-    out: torch.Tensor = _CrossEntropy.apply(hidden, local, target, shard, chunk, ignore_index, reduction == "mean")
+    out: torch.Tensor = _CrossEntropy.apply(
+        hidden, local, target, shard, chunk, ignore_index, reduction == "mean", torch.is_grad_enabled()
+    )
     return out
