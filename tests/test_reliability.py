@@ -363,5 +363,12 @@ def test_threads_two_grad_forwards_one_model_is_a_clear_error(threads: list[dict
         assert facts["differ"] == 0 and facts["clean"], facts
 
 
+def test_threads_overlapping_on_replicate_keep_its_hooks(threads: list[dict[str, Any]]) -> None:
+    for rank in threads:
+        facts = rank["train_beside_eval_replicate"]
+        assert not facts["errors"] and facts["hooks"][0] > 0 and facts["hooks"][1] == facts["hooks"][0], facts
+        assert facts["differ"] == 0, facts
+
+
 def test_threads_leave_no_stale_ddp_marker(threads: list[dict[str, Any]]) -> None:
     assert not any(rank["marker_left"] for rank in threads)

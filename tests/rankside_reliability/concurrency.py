@@ -123,6 +123,7 @@ def threads_cases() -> dict[str, Any]:
     # one model, two grad-enabled forwards at once: a clear error for the second, the first completes
     for wrapper in ("ddp", "fsdp2"):
         out[f"two_grad_{wrapper}"] = _two_grad(wrapper)
+    out["train_beside_eval_replicate"] = _train_beside_eval("replicate")
     for group in groups:
         dist.destroy_process_group(group)
     # Overlapping DDP forwards may leave DDP's class-wide marker stale; routing clears it (adapters/ddp.py).
@@ -170,4 +171,50 @@ def _two_grad(wrapper: str) -> dict[str, Any]:
         "all": [repr(e)[:400] for e in errors],
         "differ": differing_across_ranks(wrapped.full_grads())[0],
         "clean": not after["target_forward"] and not after["in_forward"],
+    }
+
+
+def _train_beside_eval(wrapper: str) -> dict[str, Any]:
+    """A wrapper whose hooks are set aside while a loss runs (``replicate``): an evaluation (no_grad) enters
+    first, a training step enters while it runs, the evaluation leaves first. Both calls had the hooks aside at
+    once; after them, and after one more step, the hooks are all back and the gradients in sync."""
+    import threading
+
+    case = LOSSES["fused_ce"]
+    wrapped = WRAPPERS[wrapper].build(build_model(CONFIG), {})
+    model, inner = wrapped.model, wrapped.inner
+    hooks_before = len(model._forward_pre_hooks) + len(model._forward_hooks)
+    eval_inside, train_inside = threading.Event(), threading.Event()
+    batch = make_batch(case, CONFIG, dist.get_rank(), 0, 0)
+
+    def evaluator() -> Any:
+        def fn() -> torch.Tensor:
+            eval_inside.set()
+            train_inside.wait(30)  # leaves while the training loss still runs
+            return case.compute(inner, batch, {})
+
+        with torch.no_grad():
+            return route_loss(model, inner, fn)
+
+    def trainer() -> Any:
+        eval_inside.wait(30)
+
+        def fn() -> torch.Tensor:
+            train_inside.set()
+            return case.compute(inner, batch, {})
+
+        loss = route_loss(model, inner, fn)
+        wrapped.backward(loss)
+        return loss.detach()
+
+    results = _threads(trainer, evaluator)
+    hooks_after = len(model._forward_pre_hooks) + len(model._forward_hooks)
+    for param in inner.parameters():
+        param.grad = None
+    step = make_batch(case, CONFIG, dist.get_rank(), 1, 0)
+    wrapped.backward(route_loss(model, inner, case.compute, inner, step, {}))
+    return {
+        "errors": [repr(r)[:400] for r in results if not isinstance(r, torch.Tensor)],
+        "hooks": (hooks_before, hooks_after),
+        "differ": differing_across_ranks(wrapped.full_grads())[0],
     }

@@ -27,6 +27,7 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
 class _Aside:
     hooks: dict[str, dict[Any, Any]]  # each hook dict's entries when set aside
     added: dict[str, dict[Any, Any]] = field(default_factory=dict)  # what the loss registered, once read
+    holders: int = 1  # routed calls running with these hooks aside (a no_grad call beside a grad one)
 
 
 # Hooks set aside while a loss runs, until put back (by the loss's exit, or by recover() after a fault).
@@ -73,13 +74,21 @@ def put_hooks_back(module: nn.Module, saved: _Aside | None = None) -> None:
 @contextlib.contextmanager
 def hooks_set_aside(module: nn.Module) -> Iterator[None]:
     """The module's forward hooks set aside for the length of the block (its pre-hooks have run already, and
-    ``nn.Module.__call__`` reads the post-hooks after the forward returns, so both still run for this call)."""
-    attributes = module.__dict__
-    aside = _Aside({name: dict(attributes[name]) for name in _HOOK_DICTS})
-    _set_aside[module] = aside
-    try:
+    ``nn.Module.__call__`` reads the post-hooks after the forward returns, so both still run for this call).
+    Blocks that overlap share one record: the last out puts the hooks back (the first would put back empty
+    dicts the second had recorded, losing the hooks for good)."""
+    aside = _set_aside.get(module)
+    if aside is not None:
+        aside.holders += 1
+    else:
+        attributes = module.__dict__
+        aside = _Aside({name: dict(attributes[name]) for name in _HOOK_DICTS})
+        _set_aside[module] = aside
         for name in _HOOK_DICTS:
             attributes[name].clear()
+    try:
         yield
     finally:
-        put_hooks_back(module, aside)
+        aside.holders -= 1
+        if aside.holders == 0:
+            put_hooks_back(module, aside)
