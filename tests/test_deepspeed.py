@@ -112,3 +112,29 @@ def test_detect_zero(pool: RankPool, stage: int) -> None:
 def test_zero3_gather_outside_model_is_rejected(pool: RankPool) -> None:
     messages = pool.run(rankside_deepspeed.zero3_bad_gather)
     assert all("is not inside model" in m for m in messages), messages
+
+
+
+def test_every_fetch_coordinator_is_asked_as_the_release_defines_it() -> None:
+    """Unit-level, beside the real ZeRO-3 runs above: the installed ``get_param_coordinator`` (its code, on an
+    object holding only what it reads) and one of the shape DeepSpeed had before 0.15.4 (a coordinator per
+    ``training`` flag): every coordinator each keeps is found."""
+    import inspect
+
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    from wrapperroute.adapters.deepspeed import _param_coordinators
+
+    class Installed(DeepSpeedZeRoOffload):
+        def __init__(self) -> None:  # what either shape of the method reads
+            self.param_coordinator = "the one"
+            self.param_coordinators = {True: "training", False: "eval"}
+
+    per_mode = len(inspect.signature(DeepSpeedZeRoOffload.get_param_coordinator).parameters) > 1
+    assert _param_coordinators(Installed()) == (["training", "eval"] if per_mode else ["the one"])
+
+    class Before0154:
+        def get_param_coordinator(self, training: bool) -> str:
+            return f"training={training}"
+
+    assert _param_coordinators(Before0154()) == ["training=True", "training=False"]

@@ -26,6 +26,7 @@ once. Without it the in-forward attribute getter gathers each weight lazily on f
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -86,6 +87,8 @@ class DeepSpeedAdapter(Adapter):
 
     def validate_gather(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> None:
         # route_loss has already checked containment; here: what ZeRO-3 can gather must be a partitioned param.
+        if not gather:  # every step without gather=: nothing to check
+            return
         inner = self.peel(wrapper)
         owned = {id(p) for p in inner.parameters()}
         for module in gather:
@@ -156,12 +159,25 @@ def _register_with_root(engine: DeepSpeedEngine, params: Iterable[Any]) -> None:
     known = getattr(root, "_external_params", {})
     own = {id(p) for p in root.parameters(recurse=False)}
     new = [p for p in params if id(p) not in known and id(p) not in own]
+    if not new:
+        return
     for param in new:
         deepspeed.zero.register_external_parameter(root, param)
     offload = getattr(engine.optimizer, "parameter_offload", None)
-    coordinator = offload.get_param_coordinator() if offload is not None else None
-    if new and coordinator is not None and coordinator.is_complete_trace():
-        coordinator._invalidate_trace()
+    for coordinator in _param_coordinators(offload) if offload is not None else ():
+        if coordinator.is_complete_trace():
+            coordinator._invalidate_trace()
+
+
+def _param_coordinators(offload: Any) -> list[Any]:
+    """ZeRO-3's parameter-fetch coordinators: one, or (where ``get_param_coordinator`` takes the module's
+    ``training`` flag, as DeepSpeed's before 0.15.4 does) one per mode, each with its own trace."""
+    get = offload.get_param_coordinator
+    try:
+        per_mode = bool(inspect.signature(get).parameters)
+    except (TypeError, ValueError):  # no signature to read: ask as the installed release's own callers do
+        per_mode = False
+    return [get(training) for training in (True, False)] if per_mode else [get()]
 
 
 # A submodule id no module has (DeepSpeed numbers them from 0): marks a head in use by read_whole.
