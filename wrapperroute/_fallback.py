@@ -64,9 +64,9 @@ def _run(call: _Call) -> Any:
     hooks_enabled = saved_tensor_hooks_enabled()
     try:
         return _enter(call)
-    except _RefusedError:
-        raise  # nothing was entered; the wrapper belongs to the thread inside it: leave it alone
     except BaseException as error:  # KeyboardInterrupt too: a notebook user may go on training
+        if _refused(error, call):
+            raise
         _recover(call.adapter, call.wrapper)
         # A compile that failed inside a torch.func transform leaves it half-run; entering it disabled
         # saved-tensor hooks, and everything after (the retry, gradient checkpointing) would fail without them.
@@ -80,8 +80,16 @@ def _run(call: _Call) -> Any:
         "running it isolated from that optimizer from now on. Pass mode='isolate' to skip the first attempt.",
         getattr(call.fn, "__qualname__", type(call.fn).__name__),
     )
+    call = call.isolated()
     try:
-        return _enter(call.isolated())
-    except BaseException:
-        _recover(call.adapter, call.wrapper)
+        return _enter(call)
+    except BaseException as error:
+        if not _refused(error, call):
+            _recover(call.adapter, call.wrapper)
         raise
+
+
+def _refused(error: BaseException, call: _Call) -> bool:
+    """Whether ``call`` itself was refused, entering nothing: the wrapper belongs to the thread inside it and is
+    left alone. A nested unit refused after this call entered its wrapper is this call's fault to recover."""
+    return isinstance(error, _RefusedError) and error.call is call

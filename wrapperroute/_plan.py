@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch.distributed as dist
 from torch import nn
@@ -17,12 +17,11 @@ from .adapters import Adapter
 from .detect import Detection, detect, plain_types
 from .errors import RouteStateError, RouteTypeError, RouteValueError
 
-MODES: tuple[str, ...] = ("auto", "redirect", "isolate")
+Mode = Literal["auto", "redirect", "isolate"]
+MODES: tuple[str, ...] = get_args(Mode)
 
 
-def _as_gather(gather: nn.Module | Iterable[nn.Module] | None) -> tuple[nn.Module, ...]:
-    if gather is None:
-        return ()
+def _as_gather(gather: nn.Module | Iterable[nn.Module]) -> tuple[nn.Module, ...]:
     if isinstance(gather, nn.Module):
         return (gather,)
     if isinstance(gather, str):
@@ -224,6 +223,7 @@ def resolve(
     isolate = mode == "isolate" or (mode == "auto" and bool(_isolated_losses) and _fallback_key(fn) in _isolated_losses)
     around = (_Around(adapter, isolate, modules, nested)
               if plan.enters_every_call or isolate or modules or nested else None)  # fmt: skip
-    # the target and the entry are alive while the wrapper is: it holds them
+    # the target and the entry are alive: the wrapper holds the target, and the entry is the model the caller holds
+    # (or the wrapper itself)
     return _Call(wrapper, plan.entry_ref(), plan.target_ref(), swap, adapter, fn, args, kwargs, around,  # type: ignore[arg-type]
                  plan.result_check, mode)  # fmt: skip

@@ -1,4 +1,4 @@
-"""The token and the forward swap: how a loss runs inside a wrapper's forward.
+"""The routed call and the forward swap: how a loss runs inside a wrapper's forward.
 
 The wrapper's forward calls one inner module (``ddp.module``, ``fsdp._fsdp_wrapped_module``, the FSDP2 root
 itself, ``engine.module``): its *target*. For the length of one routed call the target gets an instance
@@ -260,7 +260,11 @@ def _make_passthrough(target_ref: weakref.ref[nn.Module], swap: _Swap) -> Callab
 
 
 class _RefusedError(RouteStateError):
-    """Another thread is inside this wrapper's forward: refused before entering anything."""
+    """Another thread is inside this wrapper's forward: ``call`` refused before entering anything."""
+
+    def __init__(self, message: str, call: _Call) -> None:
+        super().__init__(message)
+        self.call = call
 
 
 def _enter(call: _Call) -> Any:
@@ -283,7 +287,8 @@ def _enter(call: _Call) -> Any:
                         f"another thread is running a routed forward through this {adapter.kind} wrapper right "
                         f"now, and {reason}. Serialise the steps (one lock around route_loss and backward), route "
                         "evaluation calls under torch.no_grad() (DDP), or use separate models on separate process "
-                        "groups."
+                        "groups.",
+                        call,
                     )
             else:  # the first call in: swap the target's forward for the dispatch
                 saved = swap.saved = target.__dict__.get("forward", _MISSING)

@@ -11,17 +11,16 @@ after it (``_faults.py``, which also returns the wrapper to its between-steps st
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from ._fallback import _run
 from ._faults import _agree
-from ._plan import MODES, resolve
+from ._plan import MODES, Mode, resolve
 
 T = TypeVar("T")
-Mode = Literal["auto", "redirect", "isolate"]
 
 __all__ = ["MODES", "Mode", "route_loss"]
 

@@ -16,7 +16,9 @@ ddp                distributed, isolates                        marks_forward, i
                                                                 around_loss (isolate), result_check
                                                                 (find_unused), concurrency_error, step_ranks,
                                                                 replicas
-replicate          distributed, isolates, enters_every_call     the same, recover and meshes
+replicate          distributed, isolates, enters_every_call     as ddp but in_forward and repair (the base
+                                                                class's), with recover, around_loss (hooks
+                                                                set aside) and meshes
 fsdp1              distributed, shards, picks_units             redirect_target, marks_forward, describe,
                                                                 recover, nested_units, step_ranks, read_whole
                                                                 (warns)

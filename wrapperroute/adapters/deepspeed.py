@@ -5,7 +5,7 @@ ZeRO-3 the prologue marks every module ``_in_forward``, so reading a partitioned
 it and registers it with the running module, whose backward hooks gather it again and reduce-scatter its
 gradient; ZeRO-3's root hook also restarts its parameter-fetch trace), then hooks the *output*: the first
 gradient reaching it runs the backward prologue, and each is divided by ``gradient_accumulation_steps`` unless
-``engine.backward`` already scaled the loss. Routing the loss through ``engine(token)`` puts all of that around
+``engine.backward`` already scaled the loss. Routing the loss through ``engine(call)`` puts all of that around
 the loss, exactly as a normal forward. ZeRO 0/1/2 reduce in ``backward``/``step`` whatever the forward did; the
 forward still matters there for the output hooks. While the loss runs, ``engine.module``'s hooks are set aside
 (``_hooks.py``): a loss that calls the model again gets a plain forward, not a second prologue, epilogue and

@@ -45,7 +45,7 @@ class FSDP1Adapter(Adapter):
 
     def marks_forward(self, wrapper: nn.Module) -> bool:
         handle = getattr(wrapper, "_handle", None)
-        if handle is None:  # a root without parameters of its own: its state spans forward to backward
+        if handle is None:  # a root without parameters of its own: only its state, set in forward and in backward
             return getattr(getattr(wrapper, "training_state", None), "name", None) == "FORWARD_BACKWARD"
         return getattr(handle, "_training_state", None) is not None and handle._training_state.name == "FORWARD"
 
