@@ -106,3 +106,42 @@ def test_an_audit_failure_is_the_audits_not_the_scripts(tmp_path: Path) -> None:
     assert finals and "RuntimeError: signatures broke" in finals[0], done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stdout.count("step 3 loss") == 2, done.stdout  # the script ran to its end on both ranks
     assert "exitcode  : 4" in done.stderr or "exitcode: 4" in done.stderr.replace(" ", ""), done.stderr[-2000:]
+
+
+def test_a_desync_only_the_end_comparison_sees(tmp_path: Path) -> None:
+    """Audited steps in sync, the desync after them: when the script destroys its process group at the end, the
+    final comparison reports it, with its final line, --json and status 3, under --on-desync exit and raise
+    alike; when it does not (its models freed before the audit's end), the final line says no final comparison
+    ran, and how to have one."""
+    missed = _audit(2, "ddp_train.py", "--module-from", "2", "--steps", "4", audit=("--steps", "1"))
+    assert "no final comparison" in _one_final(missed) and missed["code"] == 0, missed["out"][-2000:]
+    for on_desync in ("exit", "raise"):
+        report = tmp_path / f"{on_desync}.json"
+        run = _audit(2, "ddp_train.py", "--module-from", "2", "--steps", "4", "--destroy",
+                     audit=("--steps", "1", "--on-desync", on_desync, "--json", str(report)))  # fmt: skip
+        final = _one_final(run)
+        assert final.startswith("wrapperroute audit: DESYNC") and "first at end" in final, (on_desync, final)
+        assert run["code"] != 0 and 3 in run["rank_codes"], (on_desync, run["err"][-2000:])
+        written = json.loads(report.read_text())
+        assert written["verdict"] == "desync" and written["exit_status"] == 3, written
+
+
+def test_a_sweep_is_audited_afresh_after_the_group_is_made_again(tmp_path: Path) -> None:
+    """Two runs in one process: the first routed (in sync), the second with the bug. The second run's first
+    step is its own "step 1", audited and found."""
+    report = tmp_path / "sweep.json"
+    run = _audit(2, "sweep.py", audit=("--json", str(report)))
+    written = json.loads(report.read_text())
+    labels = [(c["label"], bool(c["differences"])) for c in written["checkpoints"]]
+    assert labels[:2] == [("step 1", False), ("step 2", False)], labels
+    assert labels[2] == ("step 1", True), labels
+    assert _one_final(run).startswith("wrapperroute audit: DESYNC") and 3 in run["rank_codes"], run["out"][-2000:]
+
+
+def test_a_grad_sync_error_of_the_scripts_own_is_its_failure() -> None:
+    """A ``GradSyncError`` the script raises itself (``wrapperroute.guard``) is the script's failure (status 1,
+    said so), not a desync the audit found (status 3)."""
+    run = _audit(2, "small.py", "--case", "guard")
+    final = _one_final(run)
+    assert "the script failed: GradSyncError: the script's own guard" in final, final
+    assert 1 in run["rank_codes"] and 3 not in run["rank_codes"], run["err"][-2000:]

@@ -1,6 +1,7 @@
 """A plain DDP training script, as users write them. ``--loss module`` computes the fused loss from
 ``model.module`` (the pattern that skips DDP's forward: every rank trains its own model); ``--loss routed``
-through ``model(...)``-equivalent routing; ``--accum N`` accumulates N-1 micro-batches under ``no_sync()``.
+through ``model(...)``-equivalent routing; ``--module-from K``: routed, then from step K (0-based) through
+``model.module``; ``--accum N`` accumulates N-1 micro-batches under ``no_sync()``.
 Prints one line per step with the loss, bit-exact (``float.hex``), for the numerics comparison."""
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def main() -> None:
     parser.add_argument("--loss", choices=["module", "routed"], default="routed")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--module-from", type=int, default=None)
+    parser.add_argument("--destroy", action="store_true", help="destroy the process group at the end")
     parser.add_argument("--nan", choices=["none", "rank1", "every"], default="none",
                         help="make the first step's loss NaN on rank 1, or on every rank")
     args = parser.parse_args()
@@ -41,7 +44,7 @@ def main() -> None:
         for micro in range(args.accum):
             ids = torch.randint(0, config.vocab, (2, config.seq), generator=generator)
             with model.no_sync() if micro < args.accum - 1 else contextlib.nullcontext():
-                if args.loss == "module":
+                if args.loss == "module" or (args.module_from is not None and step >= args.module_from):
                     loss = fused_ce(model.module, ids)
                 else:
                     loss = route_loss(model, inner, fused_ce, inner, ids)
@@ -51,6 +54,8 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         print(f"rank {rank} step {step} loss {loss.item().hex()}", flush=True)
+    if args.destroy:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -57,6 +57,11 @@ def final_line(audit: Audit, script_failed: str | None = None) -> str:
         label, key, what = nonfinite[0]
         tensors = len({(key, what) for _, key, what in nonfinite})
         line += f"; {tensors} tensor(s) NaN or inf alike on every rank, first at {label}: {key} ({what})"
+    if audit.end_missed and audit.steps is not None:
+        line += (
+            "; no final comparison (the script's models were freed before it ended: call "
+            "dist.destroy_process_group() at the end of the script to have one)"
+        )
     if audit.desync and audit.failure is not None:
         line += f"; then the audit itself failed: {audit.failure}"
     return line + (f"; the script failed: {script_failed}" if script_failed else "")

@@ -15,8 +15,7 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 
-from ..errors import GradSyncError
-from .session import AUDIT_FAILED_EXIT, DESYNC_EXIT, Audit, DesyncExit, OnDesync, rank
+from .session import AUDIT_FAILED_EXIT, DESYNC_EXIT, Audit, AuditDesyncError, DesyncExit, OnDesync, rank
 
 USAGE = (
     "usage: wrapperroute audit [--steps K|all] [--json PATH] [--on-desync exit|raise|warn] "
@@ -95,6 +94,8 @@ def main(argv: list[str]) -> int:
     try:
         if failure is None and status in (0, DESYNC_EXIT):
             audit.finish()  # every rank got here: the last comparison is safe to run
+    except (DesyncExit, AuditDesyncError):
+        pass  # the end comparison found replicas differing: recorded, reported below with status 3
     finally:
         audit.uninstall()
     if audit.desync:
@@ -144,7 +145,7 @@ def _run(options: Options) -> tuple[int, str | None]:
         return 1, f"exit status 1 ({code})"
     except KeyboardInterrupt:
         return 130, "interrupted (Ctrl-C)"
-    except GradSyncError as error:  # --on-desync raise, not handled by the script
+    except AuditDesyncError as error:  # --on-desync raise, not handled by the script
         print(f"wrapperroute audit: {error}", file=sys.stderr)
         return DESYNC_EXIT, None
     except BaseException as error:

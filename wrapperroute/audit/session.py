@@ -54,6 +54,11 @@ class DesyncExit(SystemExit):
     """``--on-desync exit``: ends the script at the first desynced step, on every rank."""
 
 
+class AuditDesyncError(GradSyncError):
+    """``--on-desync raise``: the audit found replicas differing (a ``GradSyncError`` the script raises itself,
+    from ``wrapperroute.guard``, is the script's failure, not the audit's finding)."""
+
+
 @dataclass
 class Checkpoint:
     """One comparison: before optimizer step ``step`` of optimizer ``optimizer``, or at the end."""
@@ -72,13 +77,19 @@ class Audit:
         self.checkpoints: list[Checkpoint] = []
         self.kinds: set[str] = set()
         self.finished = False
+        self.end_missed = False  # the last comparison found no wrapper alive to compare
         self.stepped = False  # some optimizer stepped while several ranks ran
         self.failure: str | None = None  # the audit's own error, once it failed (it audits nothing after)
         self._group = group  # the gloo group comparisons run on; None: a side group of our own
         self._exchange = crossrank.Exchange()
         # optimizer id -> (label, comparison) started before its step, finished after it
         self._pending: dict[int, tuple[str, Comparison]] = {}
-        self._optimizers: dict[int, tuple[int, int]] = {}  # id -> (index in first-step order, steps seen)
+        # optimizer -> (index in this run's first-step order, steps seen); held weakly: a new optimizer may
+        # reuse a dead one's id, and a run after a re-initialised process group starts afresh
+        self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._optimizers_seen = self._optimizers_in_run = 0
         # The wrappers found by the last scan of the process's objects (weakly: the audit keeps no model alive).
         # Scanned again for an optimizer not seen before, or when one of them is gone.
         self._wrappers: list[tuple[Adapter, weakref.ref[nn.Module]]] | None = None
@@ -121,6 +132,8 @@ class Audit:
         if self.failure is None and not isinstance(self._group, _Destroyed):
             self.finished = False
         self._pending.clear()
+        self._optimizers = weakref.WeakKeyDictionary()
+        self._optimizers_in_run = 0
         self._exchange = crossrank.Exchange()
         self._wrappers = None
         if self._group is not None:
@@ -139,8 +152,13 @@ class Audit:
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         with self._guarded():
             self._finish_pending(id(optimizer))  # a step that raised never reached _after_step
-            index, seen = self._optimizers.get(id(optimizer), (len(self._optimizers), 0))
-            self._optimizers[id(optimizer)] = (index, seen + 1)
+            known = self._optimizers.get(optimizer)
+            if known is None:
+                known = (self._optimizers_in_run, 0)
+                self._optimizers_in_run += 1
+                self._optimizers_seen += 1
+            index, seen = known
+            self._optimizers[optimizer] = (index, seen + 1)
             if self.finished or not self._running():
                 return
             self.stepped = True
@@ -166,7 +184,7 @@ class Audit:
         recorded, said once, and the audit stops; the script goes on."""
         try:
             yield
-        except (DesyncExit, GradSyncError):
+        except (DesyncExit, AuditDesyncError):
             raise
         except Exception as error:
             if self.failure is None:
@@ -197,6 +215,8 @@ class Audit:
                 found = self._replicas(rescan=False)
                 if found:
                     self._record("end", compare(found, self._side_group(), None, True, self._exchange))
+                else:  # the script's models were freed before it ended: said in the final line
+                    self.end_missed = True
 
     def _known(self, rescan: bool) -> list[tuple[Adapter, nn.Module]]:
         alive = [(adapter, ref()) for adapter, ref in self._wrappers or ()]
@@ -228,7 +248,7 @@ class Audit:
             raise DesyncExit(DESYNC_EXIT)
         message = f"wrapperroute audit: replicas differ at {checkpoint.label}\n{table}"
         if self.on_desync == "raise":
-            raise GradSyncError(message)
+            raise AuditDesyncError(message)
         if dist.get_rank() == 0:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
@@ -236,7 +256,7 @@ class Audit:
 
     @property
     def optimizers_seen(self) -> int:
-        return len(self._optimizers)
+        return self._optimizers_seen
 
     @property
     def desync(self) -> bool:
@@ -263,4 +283,6 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-__all__ = ["AUDIT_FAILED_EXIT", "DESYNC_EXIT", "Audit", "DesyncExit", "format_checkpoint", "rank"]
+__all__ = [
+    "AUDIT_FAILED_EXIT", "DESYNC_EXIT", "Audit", "AuditDesyncError", "DesyncExit", "format_checkpoint", "rank",
+]  # fmt: skip

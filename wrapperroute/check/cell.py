@@ -12,7 +12,7 @@ import contextlib
 import math
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,13 +65,6 @@ class CellResult:
     error: str | None = None
     seconds: float = 0.0
 
-    @property
-    def exact(self) -> bool:
-        return is_exact(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def is_exact(cell: CellResult) -> bool:
     """No error, no gradient differing across ranks, within the reference tolerance."""
@@ -86,9 +79,17 @@ def differing_across_ranks(grads: dict[str, torch.Tensor]) -> tuple[int, float]:
     return sum(diff > RANK_TOLERANCE for diff in diffs), max(diffs, default=0.0)
 
 
+def abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b|, in float64; inf where either holds NaN or inf: a non-finite gradient is never exact (and
+    Python's ``max(0.0, nan)`` is 0.0, so a NaN would otherwise vanish from a running maximum)."""
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        return math.inf
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
 def max_grad_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The largest difference between two sets of gradients, over ``b``'s names (a step against its reference)."""
-    return max(float((a[n].float() - b[n].float()).abs().max()) for n in b)
+    return max(abs_diff(a[n], b[n]) for n in b)
 
 
 def run_cell(cell: Cell) -> CellResult:

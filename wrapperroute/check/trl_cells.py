@@ -27,6 +27,7 @@ from .._torch_internals import (
     reset_dynamo,
     saved_tensor_hooks_enabled,
 )
+from .cell import abs_diff
 
 WORDS = [f"w{i}" for i in range(48)]
 # The DPO crash needs the Liger loss's two requires-grad heads (policy, unfrozen reference) to span >= 2 DDP
@@ -316,12 +317,12 @@ def compare_ranks(results: list[dict[str, Any]], reference: list[dict[str, Any]]
         if not grads[0] or any(g.keys() != grads[0].keys() for g in grads):
             row["error"] = "the ranks recorded no gradients, or different parameters"
             return row
-        diffs = [max(float((g[name] - grads[0][name]).abs().max()) for g in grads[1:]) for name in grads[0]]
+        diffs = [max(abs_diff(g[name], grads[0][name]) for g in grads[1:]) for name in grads[0]]
         nonzero = sum(bool(grad.any()) for grad in grads[0].values())  # a step with no gradient proves nothing
         row.update(params=len(diffs), differ=sum(d > 0 for d in diffs), max_diff=max(diffs), nonzero=nonzero)
         mean = reference_grads(reference) if reference is not None else None
         if mean is not None and mean.keys() == grads[0].keys():
-            row["ref_diff"] = max(float((grads[0][name] - mean[name]).abs().max()) for name in mean)
+            row["ref_diff"] = max(abs_diff(grads[0][name], mean[name]) for name in mean)
     return row
 
 

@@ -1,0 +1,29 @@
+"""The check's verdicts never pass a non-finite gradient: NaN or inf against the reference, or alike on every
+rank, is a difference of inf (Python's ``max(0.0, nan)`` is 0.0: a NaN would vanish from a running maximum)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from wrapperroute.check.cell import CellResult, abs_diff, is_exact, max_grad_diff
+from wrapperroute.check.trl_cells import compare_ranks
+
+
+def test_a_nan_gradient_is_never_exact() -> None:
+    good = {"w": torch.ones(3)}
+    bad = {"w": torch.tensor([1.0, math.nan, 1.0])}
+    assert max_grad_diff(good, good) == 0.0 and max_grad_diff(bad, good) == math.inf
+    assert abs_diff(torch.tensor([math.inf]), torch.tensor([math.inf])) == math.inf
+    assert max(0.0, math.nan) == 0.0  # the premise: what a running maximum did with a NaN
+    cell = CellResult("ddp/fused_ce/routed", 0)
+    cell.max_ref_diff = max(cell.max_ref_diff, max_grad_diff(bad, good))
+    assert not is_exact(cell)
+
+
+def test_trl_rows_with_nan_alike_on_every_rank_differ() -> None:
+    nan = {"w": torch.tensor([math.nan, 1.0])}
+    ranks = [{"error": None, "grads": dict(nan), "trainer": "dpo"} for _ in range(2)]
+    row = compare_ranks(ranks, [{"error": None, "grads": {"w": torch.ones(2)}} for _ in range(2)])
+    assert row["differ"] == 1 and row["max_diff"] == math.inf and row["ref_diff"] == math.inf, row
