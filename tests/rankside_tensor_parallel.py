@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from conftest import REPO
 
-from wrapperroute import detect, route_loss
+from wrapperroute import check_grad_sync, detect, route_loss
 from wrapperroute.check.models import TinyConfig, build_model
 from wrapperroute.losses import linear_cross_entropy, linear_logprobs
 
@@ -101,9 +101,17 @@ def preference_against_liger(tp: int) -> dict[str, Any]:
     return found
 
 
+def _fused_loss(model: Any) -> torch.Tensor:
+    """A fused loss on the vocabulary-sharded head (the model returns hidden states): each slice of the head
+    gets its own gradient."""
+    hidden = model(torch.zeros(1, 4, dtype=torch.long)).flatten(0, 1)
+    return linear_cross_entropy(hidden, model.lm_head.weight, torch.arange(4))
+
+
 def layout_and_warnings(tp: int, data_parallel: bool) -> dict[str, Any]:
     """What detect says of a model whose head is sharded over ``tp`` ranks (FSDP2 over the rest when
-    ``data_parallel``), and whether route_loss warns of unsynchronised replicas."""
+    ``data_parallel``), whether route_loss warns of unsynchronised replicas, and what check_grad_sync finds after
+    the step (every rank the same batch: every copy equal)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from wrapperroute.check.wrap_fsdp import fsdp2_api
@@ -116,7 +124,8 @@ def layout_and_warnings(tp: int, data_parallel: bool) -> dict[str, Any]:
     found = detect(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        route_loss(model, model, lambda: model(torch.zeros(1, 4, dtype=torch.long)).sum())
+        route_loss(model, model, _fused_loss, model).backward()
+    report = check_grad_sync(model)
     layout = found.tensor_parallel
     return {
         "kind": found.kind,
@@ -125,6 +134,8 @@ def layout_and_warnings(tp: int, data_parallel: bool) -> dict[str, Any]:
         "head_vocab_sharded": layout.head_vocab_sharded if layout else None,
         "head_ranks": layout.head_ranks if layout else None,
         "warnings": [type(w.message).__name__ for w in caught],
+        "sync": (report.compared, report.differing),
+        "trainable": sum(1 for p in model.parameters() if p.requires_grad),
     }
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._torch_internals import at_end_of_backward
-from .adapters._copies import group_copies
+from .adapters._copies import dtensor_copies, group_copies
 from .adapters.base import Replica
 from .crossrank import Row, compare
 from .detect import detect
@@ -28,7 +28,7 @@ class SyncReport:
     kind: str
     compared: int  # parameters compared across ranks
     differing: int  # of those, how many differ on some rank (NaN beside a number differs)
-    max_abs_diff: float  # the largest difference between finite values (inf: a gradient absent on some rank)
+    max_abs_diff: float  # the largest difference between finite values
     worst: tuple[tuple[str, float], ...] = field(default=())  # (name, max abs diff), worst first
     note: str = ""
     nonfinite: tuple[str, ...] = ()  # gradients holding NaN or inf, whether or not they differ
@@ -61,14 +61,15 @@ def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None,
 
     Which ranks hold copies is the wrapper's to say: DDP's process group, composable ``replicate``'s (one
     dimension of a mesh, say), the replicate dimension of an FSDP2 HSDP mesh; a model with no wrapper is
-    compared across every rank. Sharded parameters (FSDP, ZeRO) have no copies and are not compared (a sharded
-    loss computed outside the wrapper fails loudly instead: 1-D shards, DTensor mixes, 0-element ZeRO-3
-    weights). ``group``: compare every gradient across the ranks of this group instead.
+    compared across every rank (a DTensor's slices among the ranks holding the same slice). Sharded parameters
+    (FSDP, ZeRO) have no copies and are not compared (a sharded loss computed outside the wrapper fails loudly
+    instead: 1-D shards, DTensor mixes, 0-element ZeRO-3 weights). ``group``: compare every gradient across
+    the ranks of this group instead.
 
-    Cheap: one all-gather of one signature per gradient; only gradients whose signatures differ, or hold NaN or
-    inf, are sent whole and compared as values. A gradient NaN on one rank and finite on another differs;
-    NaN identical on every rank does not, and is listed in ``nonfinite``. A parameter with no gradient counts as
-    zeros.
+    Cheap: two small all-gathers (the rows' layout, then one signature per gradient); only gradients whose
+    signatures differ, or hold NaN or inf, are sent whole (one more) and compared as values. A gradient NaN on
+    one rank and finite on another differs; NaN identical on every rank does not, and is listed in
+    ``nonfinite``. A parameter with no gradient counts as zeros.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RouteStateError(
@@ -79,15 +80,16 @@ def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None,
     if group is not None:
         copies = group_copies(group)
         replicas = [Replica(n, p, copies) for n, p in found.inner.named_parameters() if p.requires_grad]
-    elif found.adapter is None:
-        replicas = [Replica(n, p, group_copies(None)) for n, p in found.inner.named_parameters() if p.requires_grad]
+    elif found.adapter is None:  # every rank a copy, but for a DTensor's slices (tensor parallelism alone)
+        world = group_copies(None)
+        replicas = [Replica(n, p, dtensor_copies(p) or world) for n, p in found.inner.named_parameters()
+                    if p.requires_grad]  # fmt: skip
     else:
         replicas = [r for r in found.adapter.replicas(found.wrapper) if r.grads]  # type: ignore[arg-type]
     if not replicas:
-        return SyncReport(
-            found.kind, 0, 0, 0.0,
-            note=f"{found.kind} shards every gradient: local shards differ by design, not compared",
-        )  # fmt: skip
+        why = ("no trainable parameter" if found.adapter is None
+               else f"{found.kind} shards every gradient: local shards differ by design")  # fmt: skip
+        return SyncReport(found.kind, 0, 0, 0.0, note=f"{why}, nothing compared")
     rows = [Row(r.name, _local(_grad_or_zeros(r.param)), r.copies) for r in replicas]
     outcome = compare(rows, group)
     # NaN where a non-finite value stands beside another value: no finite difference says it

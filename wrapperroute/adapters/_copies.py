@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -24,15 +25,21 @@ def dtensor_copies(tensor: Any) -> tuple[int, ...] | None:
     placements = getattr(tensor, "placements", None)
     if mesh is None or placements is None:
         return None
-    return _mesh_copies(mesh, tuple(placements), dist.get_rank())
+    grid = mesh.mesh
+    return _mesh_copies(tuple(grid.shape), tuple(grid.flatten().tolist()), tuple(placements), dist.get_rank())
 
 
-@functools.lru_cache(maxsize=64)
-def _mesh_copies(mesh: Any, placements: tuple[Any, ...], rank: int) -> tuple[int, ...] | None:
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        return None
+# Keyed by the mesh's layout, not the mesh: a cache must not keep meshes (and their process groups) alive.
+@functools.lru_cache(maxsize=256)
+def _mesh_copies(
+    shape: tuple[int, ...], ranks: tuple[int, ...], placements: tuple[Any, ...], rank: int
+) -> tuple[int, ...] | None:
+    grid = torch.tensor(ranks, dtype=torch.long).reshape(shape)
+    found = (grid == rank).nonzero()
+    if not len(found):
+        return None  # this rank is not on the mesh
     if any(placement.is_partial() for placement in placements):
         return (rank,)  # pending a reduction: no two ranks hold the same value yet
+    coordinate = found[0].tolist()
     index = tuple(coordinate[dim] if placement.is_shard() else slice(None) for dim, placement in enumerate(placements))
-    return tuple(sorted(mesh.mesh[index].flatten().tolist()))
+    return tuple(sorted(grid[index].flatten().tolist()))
