@@ -80,3 +80,26 @@ def test_the_default_folder_is_keyed_by_versions(monkeypatch: pytest.MonkeyPatch
     assert f"torch{torch.__version__}" in folder and f"py{sys.version_info.major}{sys.version_info.minor}" in folder
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/somewhere/mine")
     assert cache_env()["TORCH_EXTENSIONS_DIR"] == "/somewhere/mine"  # a folder the user chose is theirs
+
+
+def test_other_users_processes_are_not_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/proc as a non-root user sees it (simulated: this machine runs as root): another user's open files are
+    unreadable. They are skipped, so a stale lock in this user's cache is still found and removed; before, one
+    unreadable process made every lock "cannot tell"."""
+    import os
+
+    lock = tmp_path / "ext" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    user = 54321  # a user owning no process here
+    listdir = os.listdir
+
+    def as_that_user(path: str) -> list[str]:
+        if path.startswith("/proc/") and path.endswith("/fd") and os.stat(path[: -len("/fd")]).st_uid != user:
+            raise PermissionError(13, "Permission denied", path)
+        return listdir(path)
+
+    monkeypatch.setattr(os, "getuid", lambda: user)
+    monkeypatch.setattr(os, "listdir", as_that_user)
+    said = clear_stale_locks(str(tmp_path))
+    assert said and "removed" in said[0] and not lock.exists(), said

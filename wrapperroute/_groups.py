@@ -81,5 +81,5 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     tensor = tensor.cpu().contiguous().clone()  # its own storage, exactly its bytes
     try:
         return bytes(tensor.untyped_storage())
-    except TypeError:  # a torch whose storages export no buffer
-        return bytes(tensor.tolist())
+    except TypeError:  # a torch whose storages export no buffer: the same bytes, read as uint8
+        return bytes(tensor.reshape(-1).view(torch.uint8).tolist())

@@ -50,10 +50,12 @@ def build_locks(root: str) -> Iterator[str]:
 
 def holders(path: str) -> list[int] | None:
     """The processes holding ``path`` open, or None when this system cannot tell (no ``/proc``, or a process
-    whose open files this user may not read)."""
+    of this user's whose open files it may not read). Other users' processes are not asked: their open files
+    are unreadable to a non-root user, and a build in this user's cache is this user's."""
     if not os.path.isdir("/proc/self/fd"):
         return None
     target = os.path.realpath(path)
+    uid = os.getuid()
     found: list[int] = []
     unknown = False
     for entry in os.listdir("/proc"):
@@ -61,6 +63,8 @@ def holders(path: str) -> list[int] | None:
             continue
         fds = f"/proc/{entry}/fd"
         try:
+            if uid != 0 and os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
             names = os.listdir(fds)
         except PermissionError:
             unknown = True
