@@ -56,9 +56,15 @@ def autocast_settings(cast: torch.autocast) -> tuple[str, torch.dtype, bool, boo
     return cast.device, cast.fast_dtype, cast._enabled, cast._cache_enabled
 
 
-def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's L2 norm, one fused kernel for the list (same dtype and device)."""
-    return list(torch._foreach_norm(tensors))
+def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Each tensor's L2 norm, one fused kernel for the list (same dtype and device); ``dtype``: accumulated and
+    returned in that dtype, no widened copy made (a torch whose kernel lacks ``dtype`` gets the copies)."""
+    if dtype is None or all(tensor.dtype == dtype for tensor in tensors):
+        return list(torch._foreach_norm(tensors))
+    try:
+        return list(torch._foreach_norm(tensors, 2, dtype=dtype))
+    except (TypeError, RuntimeError):
+        return list(torch._foreach_norm([tensor.to(dtype) for tensor in tensors]))
 
 
 def reset_dynamo() -> None:

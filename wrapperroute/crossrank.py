@@ -72,16 +72,19 @@ def _part(tensor: torch.Tensor, window: tuple[int, int] | None) -> torch.Tensor:
 
 def signatures(rows: Sequence[Row]) -> list[float]:
     """Each row's L2 norm (of its window), in the tensor's precision (float32 at least: half and bfloat16 are
-    widened exactly); NaN for an absent tensor. One fused kernel per dtype."""
+    accumulated in float32, with no widened copy); NaN for an absent tensor. One fused kernel per device and
+    dtype."""
     out = [math.nan] * len(rows)
-    by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
     for index, row in enumerate(rows):
         if row.tensor is not None:
             tensor = _part(row.tensor.detach(), row.window)
-            wide = tensor.dtype if tensor.dtype in (torch.float32, torch.float64) else torch.float32
-            by_dtype.setdefault(wide, []).append((index, tensor if tensor.dtype == wide else tensor.to(wide)))
-    for members in by_dtype.values():
-        norms = torch.stack(foreach_norm([tensor for _, tensor in members])).tolist()
+            if not tensor.is_floating_point():
+                tensor = tensor.double()  # an integer tensor: every value exact in float64
+            groups.setdefault((tensor.device, tensor.dtype), []).append((index, tensor))
+    for (_, dtype), members in groups.items():
+        wide = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+        norms = torch.stack(foreach_norm([tensor for _, tensor in members], wide)).tolist()  # one read back
         for (index, _), norm in zip(members, norms, strict=True):
             out[index] = norm
     return out

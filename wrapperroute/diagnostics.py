@@ -89,7 +89,7 @@ def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None,
     if not replicas:
         why = ("no trainable parameter" if found.adapter is None
                else f"{found.kind} shards every gradient: local shards differ by design")  # fmt: skip
-        return SyncReport(found.kind, 0, 0, 0.0, note=f"{why}, nothing compared")
+        return SyncReport(found.kind, 0, 0, 0.0, note=f"{why}, not compared")
     rows = [Row(r.name, _local(_grad_or_zeros(r.param)), r.copies) for r in replicas]
     outcome = compare(rows, group)
     # NaN where a non-finite value stands beside another value: no finite difference says it
