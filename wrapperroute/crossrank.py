@@ -36,8 +36,10 @@ __all__ = [
     "Exchange",
     "Mismatch",
     "Outcome",
+    "Pending",
     "Row",
     "compare",
+    "compare_later",
 ]
 
 
@@ -187,7 +189,8 @@ class Posted:
 @dataclass(frozen=True)
 class Mismatch:
     """A tensor whose copies differ. ``max_abs_diff``: the largest difference between copies over the elements
-    finite on both (``inf`` when a copy is absent, or its shape or dtype differs); ``nonfinite``: elements
+    finite on both (``inf`` when a copy is absent, or its element count or dtype differs: shapes are not sent,
+    tensors of one element count are compared flat); ``nonfinite``: elements
     non-finite on some copy and not the same on another (NaN beside a number)."""
 
     key: str

@@ -48,13 +48,15 @@ class RankFailure(RuntimeError):
 
 class RankAssertionError(RankFailure, AssertionError):
     """An assertion failed inside a rank: its message opens with the rank, the file and line of the ``assert``
-    and its source, so a test runner's report points at the line where the fact was computed; the rank's whole
-    traceback follows."""
+    statement (see ``_assertion``) and its source, so a test runner's report points at the line where the fact
+    was computed; the rank's whole traceback follows."""
 
 
 def _assertion(error: AssertionError) -> str:
-    """``file:line: source: message`` of the assertion's own frame (the innermost of its traceback)."""
-    frame = traceback.extract_tb(error.__traceback__)[-1]
+    """``file:line: source: message`` of the ``assert`` statement (the innermost frame that is one; else the
+    innermost frame, for an ``AssertionError`` raised by a helper such as ``torch.testing.assert_close``)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    frame = next((f for f in reversed(frames) if (f.line or "").lstrip().startswith("assert ")), frames[-1])
     message = str(error)
     return f"{frame.filename}:{frame.lineno}: {frame.line}" + (f": {message}" if message else "")
 
