@@ -189,8 +189,9 @@ class Posted:
 @dataclass(frozen=True)
 class Mismatch:
     """A tensor whose copies differ. ``max_abs_diff``: the largest difference between copies over the elements
-    finite on both (``inf`` when a copy is absent, or its element count or dtype differs: shapes are not sent,
-    tensors of one element count are compared flat); ``nonfinite``: elements
+    finite on both (``inf`` when a copy's tensor is absent, a gradient None on that rank, or its element count or
+    dtype differs: shapes are not sent, tensors of one element count are compared flat; a key that no other rank
+    sends has nothing to be compared with and is not compared); ``nonfinite``: elements
     non-finite on some copy and not the same on another (NaN beside a number)."""
 
     key: str

@@ -84,7 +84,7 @@ def _vocab_shard(weight: torch.Tensor) -> _Shard:
     return _Shard(local, offset, vocab, mesh.get_group(dim))
 
 
-def _replicated(tensor: torch.Tensor, name: str) -> torch.Tensor:
+def _local_whole(tensor: torch.Tensor, name: str) -> torch.Tensor:
     """A plain tensor as it is; a replicated DTensor's local copy."""
     placements = getattr(tensor, "placements", None)
     if placements is None:
@@ -279,8 +279,8 @@ def _operands(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Shard, int]:
     _check(hidden, weight, target)
     shard = _vocab_shard(weight)
-    hidden = _replicated(hidden, "hidden")
-    target = _replicated(target, "target")
+    hidden = _local_whole(hidden, "hidden")
+    target = _local_whole(target, "target")
     if hidden.dtype != shard.local.dtype:
         raise RouteTypeError(f"hidden ({hidden.dtype}) and weight ({shard.local.dtype}) must share a dtype")
     chunk = _chunk_rows(hidden.shape[0], hidden.shape[1], shard.local.shape[0], chunk_size)

@@ -75,7 +75,7 @@ class ReplicateAdapter(Adapter):
     def around_loss(
         self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]
     ) -> contextlib.AbstractContextManager[Any]:
-        return _inside(wrapper, isolate)
+        return _around_loss(wrapper, isolate)
 
     def result_check(self, wrapper: nn.Module) -> Callable[[nn.Module, Any], None] | None:
         return _check_reachable if _option(wrapper, "find_unused_parameters", False) else None
@@ -123,7 +123,7 @@ def requires_gradient_sync(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _inside(module: nn.Module, isolate: bool) -> Iterator[None]:
+def _around_loss(module: nn.Module, isolate: bool) -> Iterator[None]:
     with hooks_set_aside(module), without_graph_optimizer() if isolate else contextlib.nullcontext():
         yield
 

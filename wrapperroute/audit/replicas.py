@@ -41,6 +41,7 @@ def wrappers() -> list[tuple[Adapter, nn.Module]]:
     DDP wrappers by creation, the rest by kind and structure."""
     adapters = [adapter for adapter in registered() if isinstance(adapter, Adapter) and adapter.distributed]
     found: list[tuple[Adapter, nn.Module]] = []
+    gc.collect()  # a wrapper freed but not yet collected on one rank would shift every later key's position
     for obj in gc.get_objects():
         if issubclass(type(obj), nn.Module):  # type(), not isinstance: proxies warn when asked their class
             for adapter in adapters:
