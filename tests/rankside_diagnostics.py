@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch.distributed as dist
@@ -58,4 +59,11 @@ def guard_verdicts() -> dict[str, Any]:
     attempt("no_sync_unrouted", lambda: CASE.compute(inner, batch, {}), model.no_sync)
     attempt("unrouted", lambda: CASE.compute(inner, batch, {}))
     attempt("routed_after", lambda: route_loss(model, inner, CASE.compute, inner, batch, {}))
+    for name, step in (("warn_unrouted", lambda: CASE.compute(inner, batch, {})),
+                       ("warn_routed_after", lambda: route_loss(model, inner, CASE.compute, inner, batch, {}))):
+        with warnings.catch_warnings(record=True) as caught, guard(model, on_error="warn"):
+            warnings.simplefilter("always")
+            step().backward()
+        verdicts[name] = sum("without DDP's forward" in str(w.message) for w in caught)
+        model.zero_grad(set_to_none=True)
     return verdicts

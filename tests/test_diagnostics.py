@@ -36,3 +36,4 @@ def test_guard(pool: RankPool) -> None:
         assert rank["no_sync_unrouted"] == "ok"  # local on purpose inside no_sync
         assert rank["unrouted"].startswith("caught: gradients of a TinyCausalLM"), rank
         assert rank["routed_after"] == "ok"  # no stale state after a caught step
+        assert rank["warn_unrouted"] == 1 and rank["warn_routed_after"] == 0, rank  # warned once per backward

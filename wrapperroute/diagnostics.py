@@ -150,15 +150,15 @@ def guard(model: nn.Module, on_error: Literal["raise", "warn"] = "raise") -> Ite
         at_end_of_backward(reset)
         if state["armed"] or not syncs():
             return
-        reset()  # the backward may abort below, and its end-of-backward callback with it
         message = (
             f"gradients of a {type(found.inner).__name__} under {found.kind!r} were computed without "
             "DDP's forward, so they will not be all-reduced and every rank trains its own model. Compute the "
             "loss through the wrapper: wrapperroute.route_loss(model, unwrapped, loss_fn, ...)."
         )
         if on_error == "raise":
+            reset()  # the backward aborts here, and its end-of-backward callback with it
             raise GradSyncError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)  # once: the callback resets at the backward's end
 
     handles = [ddp.register_forward_hook(on_forward)]
     handles += [p.register_post_accumulate_grad_hook(on_grad) for p in ddp.parameters() if p.requires_grad]
