@@ -27,3 +27,14 @@ def test_trl_rows_with_nan_alike_on_every_rank_differ() -> None:
     ranks = [{"error": None, "grads": dict(nan), "trainer": "dpo"} for _ in range(2)]
     row = compare_ranks(ranks, [{"error": None, "grads": {"w": torch.ones(2)}} for _ in range(2)])
     assert row["differ"] == 1 and row["max_diff"] == math.inf and row["ref_diff"] == math.inf, row
+
+
+def test_reports_write_strict_json() -> None:
+    """A difference of inf (a NaN gradient) reaches the --json reports as "inf": strict JSON has no Infinity."""
+    import json
+
+    from wrapperroute.audit.report import strict_json
+
+    row = {"max_ref_diff": math.inf, "losses": [1.5, math.nan], "nested": ({"d": -math.inf},), "label": "x"}
+    text = json.dumps(strict_json(row), allow_nan=False)
+    assert json.loads(text) == {"max_ref_diff": "inf", "losses": [1.5, "nan"], "nested": [{"d": "-inf"}], "label": "x"}

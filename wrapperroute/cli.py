@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Any
 
+from .audit.report import strict_json
 from .check.cell import Cell, CellResult, is_exact, run_cell
 from .check.console import UsageError, cut, last_error_line, rank_env, say_stale_locks
 from .check.losses import LOSSES
@@ -164,7 +165,8 @@ def check(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     failed = [r for r in rows if r["routed"] and r["verdict"] != "exact"]
     if args.json:
-        print(json.dumps({"nproc": args.nproc, "seconds": round(elapsed, 1), "ok": not failed, "cells": rows}))
+        summary = {"nproc": args.nproc, "seconds": round(elapsed, 1), "ok": not failed, "cells": rows}
+        print(json.dumps(strict_json(summary), allow_nan=False))
     else:
         print(format_table(rows))
         print(f"\n{len(rows)} cells on {args.nproc} CPU ranks in {elapsed:.0f}s: ", end="")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -81,11 +82,23 @@ def _why_nothing(audit: Audit) -> str:
     )
 
 
+def strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float written as a string (``"inf"``, ``"nan"``): JSON has no infinity,
+    and Python's ``Infinity`` is refused by strict readers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(item) for item in value]
+    return value
+
+
 def report(audit: Audit, final: str, exit_status: int) -> dict[str, Any]:
-    """The ``--json`` report."""
+    """The ``--json`` report (non-finite differences written ``"inf"``)."""
     verdict = "desync" if audit.desync else "failed" if audit.failure else "in sync" if audit.checkpoints else (
         "nothing audited")  # fmt: skip
-    return {
+    return strict_json({
         "verdict": verdict,
         "final_line": final,
         "exit_status": exit_status,
@@ -100,4 +113,4 @@ def report(audit: Audit, final: str, exit_status: int) -> dict[str, Any]:
             }
             for c in audit.checkpoints
         ],
-    }
+    })

@@ -271,7 +271,7 @@ class Audit:
     def write_json(self, final: str, exit_status: int) -> None:
         if self.json_path:
             with open(self.json_path, "w") as out:
-                json.dump(self.report(final, exit_status), out, indent=1)
+                json.dump(self.report(final, exit_status), out, indent=1, allow_nan=False)
 
 
 class _Destroyed:
