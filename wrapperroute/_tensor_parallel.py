@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 
+from .adapters._copies import group_ranks
 from .adapters._units import output_embedding
 
 
@@ -79,5 +79,5 @@ def tensor_parallel_layout(inner: nn.Module, wrapper_meshes: tuple[Any, ...]) ->
             if p.is_shard() and getattr(p, "dim", None) == 0 and _dim_name(mesh, d) in dims:
                 vocab = True
                 if mesh.get_coordinate() is not None:
-                    group = tuple(dist.get_process_group_ranks(mesh.get_group(d)))
+                    group = group_ranks(mesh.get_group(d))
     return TensorParallel(tuple(sorted(dims)), sharded, vocab, group, tuple(sorted(ranks)))

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._torch_internals import at_end_of_backward
-from .adapters._copies import dtensor_copies, group_copies
+from .adapters._copies import dtensor_copies, group_ranks
 from .adapters.base import Replica
 from .crossrank import Row, compare
 from .detect import detect
@@ -78,10 +78,10 @@ def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None,
         )
     found = detect(model)
     if group is not None:
-        copies = group_copies(group)
+        copies = group_ranks(group)
         replicas = [Replica(n, p, copies) for n, p in found.inner.named_parameters() if p.requires_grad]
     elif found.adapter is None:  # every rank a copy, but for a DTensor's slices (tensor parallelism alone)
-        world = group_copies(None)
+        world = group_ranks(None)
         replicas = [Replica(n, p, dtensor_copies(p) or world) for n, p in found.inner.named_parameters()
                     if p.requires_grad]  # fmt: skip
     else:

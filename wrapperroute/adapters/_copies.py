@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 
-def group_copies(group: Any) -> tuple[int, ...]:
-    """The global ranks of ``group`` (None: the default group): each holds a copy of what this rank holds."""
+def group_ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks of ``group`` (None: the default group, every rank): the ranks that run a wrapper's step
+    together, and each holds a copy of what a replicating wrapper holds on this rank."""
     if group is None:
         return tuple(range(dist.get_world_size()))
     return tuple(dist.get_process_group_ranks(group))

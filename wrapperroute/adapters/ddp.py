@@ -22,13 +22,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
 from ..errors import RouteValueError
-from ._copies import group_copies
+from ._copies import group_ranks
 from .base import NOTHING, Adapter, Replica
 
 log = logging.getLogger("wrapperroute")
@@ -89,7 +88,7 @@ class DDPAdapter(Adapter):
         return group_ranks(wrapper.process_group)
 
     def replicas(self, wrapper: nn.Module) -> list[Replica]:
-        return replicated(self.peel(wrapper), group_copies(wrapper.process_group))
+        return replicated(self.peel(wrapper), group_ranks(wrapper.process_group))
 
 
 def replicated(module: nn.Module, copies: tuple[int, ...]) -> list[Replica]:
@@ -119,11 +118,6 @@ def check_loss_reachable(ddp: DistributedDataParallel, result: Any) -> None:
         "('marked as ready twice'). Return the loss tensor (alone or in a tuple, list, dict or dataclass); "
         "for a call that computes no loss (metrics, evaluation) run route_loss under torch.no_grad()."
     )
-
-
-def group_ranks(group: Any) -> tuple[int, ...] | None:
-    """A process group's global ranks (None for None: the default group)."""
-    return None if group is None else tuple(dist.get_process_group_ranks(group))
 
 
 def concurrency_reason(ddp: DistributedDataParallel, grad: bool, grad_calls: int) -> str | None:

@@ -35,11 +35,11 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import nn
 
 from ..errors import RouteValueError
-from ._copies import group_copies
+from ._copies import group_ranks
 from ._hooks import hooks_set_aside, put_hooks_back
 from ._units import output_embedding
 from .base import NOTHING, Adapter, Replica
-from .ddp import group_ranks, replicated
+from .ddp import replicated
 
 
 def _stage(engine: DeepSpeedEngine) -> int:
@@ -70,7 +70,7 @@ class DeepSpeedAdapter(Adapter):
         engine: DeepSpeedEngine = wrapper
         if _stage(engine) == 3:
             return []
-        copies = group_copies(getattr(engine, "data_parallel_group", None))
+        copies = group_ranks(getattr(engine, "data_parallel_group", None))
         return [Replica(r.name, r.param, r.copies, grads=False) for r in replicated(engine.module, copies)]
 
     def marks_forward(self, wrapper: nn.Module) -> bool:

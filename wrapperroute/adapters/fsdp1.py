@@ -15,9 +15,9 @@ from typing import Any
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
+from ._copies import group_ranks
 from ._units import units_for
 from .base import NOTHING, Adapter
-from .ddp import group_ranks
 
 _auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = weakref.WeakKeyDictionary()
 

@@ -23,10 +23,10 @@ from torch.distributed._composable.replicate import DDP as ComposableDDP
 from torch.distributed._composable.replicate import replicate
 from torch.nn.parallel import DistributedDataParallel
 
-from ._copies import group_copies
+from ._copies import group_ranks
 from ._hooks import hooks_set_aside, put_hooks_back
 from .base import Adapter, Replica
-from .ddp import check_loss_reachable, concurrency_reason, group_ranks, replicated, without_graph_optimizer
+from .ddp import check_loss_reachable, concurrency_reason, replicated, without_graph_optimizer
 
 
 def _ddp_of(module: nn.Module) -> DistributedDataParallel | None:
@@ -102,7 +102,7 @@ class ReplicateAdapter(Adapter):
         return (mesh,) if mesh is not None else ()
 
     def replicas(self, wrapper: nn.Module) -> list[Replica]:
-        return replicated(wrapper, group_copies(_process_group(wrapper)))
+        return replicated(wrapper, group_ranks(_process_group(wrapper)))
 
 
 def _process_group(module: nn.Module) -> Any:

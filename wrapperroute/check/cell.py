@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .._state import forget_isolated, routing_state
 from .._torch_internals import reset_dynamo
-from ..adapters._copies import group_copies
+from ..adapters._copies import group_ranks
 from ..crossrank import Row, compare
 from ..route import Mode, route_loss
 from .losses import LOSSES, make_batch
@@ -73,7 +73,7 @@ def is_exact(cell: CellResult) -> bool:
 
 def differing_across_ranks(grads: dict[str, torch.Tensor]) -> tuple[int, float]:
     """(parameters differing across ranks, the largest difference), every tensor gathered whole: exact."""
-    world = group_copies(None)
+    world = group_ranks(None)
     outcome = compare([Row(name, grad, world) for name, grad in sorted(grads.items())], whole=True)
     diffs = [math.inf if m.nonfinite else m.max_abs_diff for m in outcome.mismatches]
     return sum(diff > RANK_TOLERANCE for diff in diffs), max(diffs, default=0.0)
