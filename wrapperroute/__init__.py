@@ -7,6 +7,7 @@ Public surface::
     detect(model)                                        # which wrapper, which layers, which inner module
     check_grad_sync(model)                               # after backward: are gradients equal across ranks?
     guard(model)                                         # raise when a DDP backward was never armed
+    token_divisor(model, count)                          # divide a summed loss by it: the global token mean
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .errors import (
     WrapperRouteError,
 )
 from .route import MODES, Mode, route_loss
+from .tokens import token_divisor
 
 __version__ = "0.1.0"
 
@@ -45,4 +47,5 @@ __all__ = [
     "guard",
     "route_loss",
     "routed",
+    "token_divisor",
 ]

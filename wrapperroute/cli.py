@@ -2,7 +2,10 @@
 
 ``check`` spawns N CPU ranks on gloo itself (no torchrun), builds the embedded tiny causal LM, and runs the
 matrix {wrappers} x {losses} x {unrouted, routed}, printing the upstream report's table (parameters differing
-across ranks). ``check --trl`` runs the installed TRL's Liger trainers instead. Exit status: 0 when every
+across ranks). Token-level losses run on batches with a different number of valid tokens on every rank and
+micro-batch, their sums divided by ``token_divisor``; one more row shows each rank's own mean on the same
+batches (the objective the divisor replaces), as information. ``check --trl`` runs the installed TRL's Liger
+trainers instead. Exit status: 0 when every
 routed (patched) cell is exact, 1 when any is not, 2 on bad usage. The libraries' warnings and logs from the
 ranks are silenced unless ``--verbose``; the user's own process is never touched.
 """
@@ -25,7 +28,7 @@ from .check.wrappers import WRAPPERS, WrapperCase
 
 DEFAULT_WRAPPERS = (
     "ddp", "replicate", "fabric_ddp", "fsdp1", "fsdp2", "replicate_fsdp",
-    "hsdp", "fsdp2_tail", "fsdp2_keep", "fsdp2_reshard2",  # need 4 ranks
+    "hsdp", "fsdp2_tail", "fsdp2_keep", "fsdp2_reshard2", "dp2_cp2",  # need 4 ranks
     "tp2_dp2", "tp2_hsdp", "tp4", "hf_tp2_fsdp2", "hf_tp4",  # need 4 ranks; the head sharded on the vocabulary
     "zero1", "zero2", "zero3",
 )  # fmt: skip
@@ -63,8 +66,14 @@ def _names(value: str | None, known: dict[str, Any], default: tuple[str, ...], w
     return names
 
 
-def _verdict(routed: bool, cell: CellResult) -> str:
+# The path of the row that shows each rank's own mean where token_divisor belongs: information, never a failure.
+RANK_MEAN = "rank mean"
+
+
+def _verdict(routed: bool | str, cell: CellResult) -> str:
     exact = is_exact(cell)
+    if routed == RANK_MEAN:
+        return "error" if cell.error is not None else "exact" if exact else "off: what token_divisor fixes"
     if routed:
         return "exact" if exact else "FAIL"
     if cell.error is not None:
@@ -72,7 +81,7 @@ def _verdict(routed: bool, cell: CellResult) -> str:
     return "in sync" if exact else "desync"
 
 
-def _row(wrapper: str, loss: str, routed: bool, ranks: list[CellResult]) -> dict[str, Any]:
+def _row(wrapper: str, loss: str, routed: bool | str, ranks: list[CellResult]) -> dict[str, Any]:
     """One line of the table (and of ``--json``): the worst rank's figures."""
     worst = max(ranks, key=lambda r: (r.error is not None, r.differ, r.max_ref_diff))
     return {
@@ -90,14 +99,15 @@ def _row(wrapper: str, loss: str, routed: bool, ranks: list[CellResult]) -> dict
     }
 
 
-def _failed_row(wrapper: str, loss: str, routed: bool, error: Exception) -> dict[str, Any]:
+def _failed_row(wrapper: str, loss: str, routed: bool | str, error: Exception) -> dict[str, Any]:
     """A cell whose ranks did not report: a RankFailure carries each rank's traceback, so the row shows the
     first failed rank's exception (its summary line names only the ranks)."""
     errors: dict[int, str] = getattr(error, "errors", None) or {0: str(error)}
     return {
         "wrapper": wrapper, "loss": loss, "routed": routed, "params": 0, "differ": 0,
         "max_rank_diff": 0.0, "max_ref_diff": 0.0, "fell_back": False,
-        "error": last_error_line(errors[min(errors)]), "verdict": "FAIL" if routed else "crashes",
+        "error": last_error_line(errors[min(errors)]),
+        "verdict": "error" if routed == RANK_MEAN else "FAIL" if routed else "crashes",
         "seconds": 0.0,
     }  # fmt: skip
 
@@ -113,10 +123,22 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         verdict = row["verdict"] + (" (fallback)" if row["fell_back"] else "")
         if row["error"]:
             verdict += f": {cut(row['error'], 60)}"
-        path = "routed" if row["routed"] else "unrouted"
+        path = _path(row["routed"])
         cells = f"{row['wrapper']:<14} {row['loss']:<11} {path:<9} {differing:>16} {rank_diff:>12} {ref_diff:>12}"
         lines.append(f"{cells}  {verdict}")
     return "\n".join(lines)
+
+
+def _path(routed: bool | str) -> str:
+    return routed if isinstance(routed, str) else "routed" if routed else "unrouted"
+
+
+def _rank_mean_cell(pairs: list[tuple[str, str]]) -> tuple[str, str, str] | None:
+    """The one row showing each rank's own mean on the check's uneven batches: DDP's fused loss when selected,
+    else the first pair with a token-level loss."""
+    tokens = [pair for pair in pairs if LOSSES[pair[1]].summed is not None]
+    chosen = ("ddp", "fused_ce") if ("ddp", "fused_ce") in tokens else tokens[0] if tokens else None
+    return None if chosen is None else (*chosen, RANK_MEAN)
 
 
 def check(args: argparse.Namespace) -> int:
@@ -135,7 +157,10 @@ def check(args: argparse.Namespace) -> int:
     from .ranks import RankPool
 
     pairs = [(w, loss) for w in wrappers for loss in losses if WRAPPERS[w].runs(loss)]
-    cells = [(w, loss, routed) for w, loss in pairs for routed in (False, True)]
+    cells: list[tuple[str, str, bool | str]] = [(w, loss, routed) for w, loss in pairs for routed in (False, True)]
+    rank_mean = _rank_mean_cell(pairs)
+    if rank_mean is not None:
+        cells.append(rank_mean)
     left_out = sorted({w for w in wrappers if not all(WRAPPERS[w].runs(loss) for loss in losses)})
     for name in left_out:
         print(f"wrapperroute: {name} runs only the losses that read a head sharded on the vocabulary: "
@@ -150,9 +175,10 @@ def check(args: argparse.Namespace) -> int:
         for index, (wrapper, loss, routed) in enumerate(cells, 1):
             if WRAPPERS[wrapper].requires == "deepspeed":  # its first use builds a C++ op: never wait silently
                 say_stale_locks(env)
-            path = "routed" if routed else "unrouted"
-            print(f"[{index}/{len(cells)}] {wrapper} / {loss} / {path} ...", end="", file=progress, flush=True)
-            cell = Cell(wrapper=wrapper, loss=loss, routed=routed, steps=args.steps)
+            print(f"[{index}/{len(cells)}] {wrapper} / {loss} / {_path(routed)} ...", end="", file=progress,
+                  flush=True)  # fmt: skip
+            cell = Cell(wrapper=wrapper, loss=loss, routed=bool(routed), steps=args.steps, accum=args.accum,
+                        normalise="rank_mean" if routed == RANK_MEAN else "divisor")  # fmt: skip
             try:
                 ranks = pool.run(run_cell, cell, timeout=args.timeout)
                 row = _row(wrapper, loss, routed, ranks)
@@ -163,7 +189,7 @@ def check(args: argparse.Namespace) -> int:
             rows.append(row)
             print(f" {row['verdict']} ({row['seconds']}s)", file=progress, flush=True)
     elapsed = time.perf_counter() - start
-    failed = [r for r in rows if r["routed"] and r["verdict"] != "exact"]
+    failed = [r for r in rows if r["routed"] is True and r["verdict"] != "exact"]
     if args.json:
         summary = {"nproc": args.nproc, "seconds": round(elapsed, 1), "ok": not failed, "cells": rows}
         print(json.dumps(strict_json(summary), allow_nan=False))
@@ -199,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--wrappers", help=f"comma-separated subset of: {', '.join(DEFAULT_WRAPPERS)}, zero0")
     run.add_argument("--losses", help=f"comma-separated subset of: {', '.join(LOSSES)}")
     run.add_argument("--steps", type=int, default=1, help="optimizer steps per cell (default 1)")
+    run.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step (default 2)")
     run.add_argument("--timeout", type=float, default=300.0, help="seconds a cell may take (default 300)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     run.add_argument("--verbose", action="store_true", help="show the libraries' warnings and logs from the ranks")

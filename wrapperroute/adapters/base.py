@@ -73,6 +73,37 @@ class Replica:
     grads: bool = True
 
 
+@dataclass(frozen=True)
+class Averaging:
+    """How a wrapper makes one gradient of the ranks' gradients: what :meth:`Adapter.averaging` returns, and what
+    :func:`wrapperroute.token_divisor` divides by.
+
+    ranks
+        The global ranks whose gradients are reduced together (this rank included; the same tuple on each of
+        them): the ranks that train on different data. Tensor-parallel ranks, which read the same batch, are
+        not among them.
+    group
+        A process group over exactly ``ranks`` that the wrapper already has, or None when it has none (HSDP's
+        two dimensions): one is then made for them.
+    divides_by
+        What the wrapper divides the summed gradient by: the number of ranks for a mean, a divide factor the
+        user set (FSDP2's ``set_gradient_divide_factor``), 1 for a sum.
+    backward_divides_by
+        What the wrapper's own backward divides each micro-batch's loss by before the gradients exist:
+        DeepSpeed's ``gradient_accumulation_steps`` (``engine.backward(loss)``, or its hooks on
+        ``loss.backward()``); 1 elsewhere.
+    unread
+        What of the reduction the wrapper's state does not tell (a communication hook of the user's own, which may
+        scale as it likes), said aloud by ``token_divisor``; empty when everything was read.
+    """
+
+    ranks: tuple[int, ...]
+    group: Any
+    divides_by: float
+    backward_divides_by: float = 1.0
+    unread: str = ""
+
+
 class Layer:
     """A layer that is only peeled (``torch.compile``, PEFT): never routed through.
 
@@ -205,6 +236,11 @@ class Adapter(Layer):
         """The parameters this wrapper keeps replicated, each with the ranks holding its copies: what a desync
         makes differ. The default: none (a wrapper that shards every parameter)."""
         return []
+
+    def averaging(self, wrapper: nn.Module) -> Averaging | None:
+        """Which ranks' gradients this wrapper reduces together, and what it divides them by (read from the
+        wrapper's own state and the installed code); None when it cannot be told."""
+        return None
 
     def meshes(self, wrapper: nn.Module) -> tuple[Any, ...]:
         """The device meshes this wrapper itself shards or replicates parameters over (FSDP2's, ``replicate``'s),

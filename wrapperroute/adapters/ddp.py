@@ -28,7 +28,7 @@ from torch.nn.parallel.distributed import _find_tensors
 
 from ..errors import RouteValueError
 from ._copies import group_ranks
-from .base import NOTHING, Adapter, Replica
+from .base import NOTHING, Adapter, Averaging, Replica
 
 log = logging.getLogger("wrapperroute")
 
@@ -89,6 +89,25 @@ class DDPAdapter(Adapter):
 
     def replicas(self, wrapper: nn.Module) -> list[Replica]:
         return replicated(self.peel(wrapper), group_ranks(wrapper.process_group))
+
+    def averaging(self, wrapper: nn.Module) -> Averaging:
+        ddp: DistributedDataParallel = wrapper  # type: ignore[assignment]
+        return mean_over(ddp, ddp.process_group)
+
+
+def mean_over(ddp: DistributedDataParallel, group: Any) -> Averaging:
+    """DDP's reducer sums each bucket over ``group`` and divides it by the group's size; so do torch's own
+    communication hooks (``torch.distributed.algorithms.ddp_comm_hooks``: they divide by the group's size
+    before or after their all-reduce). A hook of the user's own is not read: said in ``unread``."""
+    ranks = group_ranks(group)
+    foreign = [hook for hook, _state in getattr(ddp, "_comm_hooks", ())
+               if not getattr(hook, "__module__", "").startswith("torch.")]  # fmt: skip
+    unread = ""
+    if foreign:
+        name = getattr(foreign[0], "__qualname__", repr(foreign[0]))
+        unread = (f"DDP communication hook {name} (not one of torch's) may scale the gradients as it likes; "
+                  f"taken to average over the {len(ranks)} ranks of its group, as torch's hooks do")  # fmt: skip
+    return Averaging(ranks, group, float(len(ranks)), unread=unread)
 
 
 def replicated(module: nn.Module, copies: tuple[int, ...]) -> list[Replica]:

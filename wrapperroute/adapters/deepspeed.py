@@ -38,7 +38,7 @@ from ..errors import RouteValueError
 from ._copies import group_ranks
 from ._hooks import hooks_set_aside, put_hooks_back
 from ._units import output_embedding
-from .base import NOTHING, Adapter, Replica
+from .base import NOTHING, Adapter, Averaging, Replica
 from .ddp import replicated
 
 
@@ -72,6 +72,20 @@ class DeepSpeedAdapter(Adapter):
             return []
         copies = group_ranks(getattr(engine, "data_parallel_group", None))
         return [Replica(r.name, r.param, r.copies, grads=False) for r in replicated(engine.module, copies)]
+
+    def averaging(self, wrapper: nn.Module) -> Averaging:
+        # Read from the engine as its reduction uses it (runtime/engine.py, zero/stage_1_and_2.py, zero/stage3.py):
+        # gradients are summed over the sequence-data-parallel group (the data-parallel group when there is no
+        # sequence parallelism) and divided by its size over the sequence-parallel size (the number of
+        # data-parallel replicas) when averaging, always under ZeRO-3, unless gradient_allreduce_op is "sum"
+        # under ZeRO 0-2. Pre- and post-divide factors only split that division. Each micro-batch's loss is
+        # divided by gradient_accumulation_steps (engine.backward, or the engine's hooks on loss.backward()).
+        engine: DeepSpeedEngine = wrapper
+        group = getattr(engine, "seq_data_parallel_group", None) or getattr(engine, "data_parallel_group", None)
+        ranks = group_ranks(group)
+        replicas = len(ranks) / float(getattr(engine, "sequence_parallel_size", 1) or 1)
+        averages = _stage(engine) == 3 or bool(getattr(engine, "gradient_average", True))
+        return Averaging(ranks, group, replicas if averages else 1.0, float(engine.gradient_accumulation_steps()))
 
     def marks_forward(self, wrapper: nn.Module) -> bool:
         # Only ZeRO-3 leaves a trace of a running forward: its prologue flags every module's parameter dict.

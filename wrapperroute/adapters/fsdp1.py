@@ -12,12 +12,13 @@ import warnings
 import weakref
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from ._copies import group_ranks
 from ._units import units_for
-from .base import NOTHING, Adapter
+from .base import NOTHING, Adapter, Averaging
 
 _auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = weakref.WeakKeyDictionary()
 
@@ -77,6 +78,28 @@ class FSDP1Adapter(Adapter):
 
     def step_ranks(self, wrapper: nn.Module) -> tuple[int, ...] | None:
         return group_ranks(wrapper.process_group)
+
+    def averaging(self, wrapper: nn.Module) -> Averaging | None:
+        # FSDP divides by its pre- and post-divide factors, which together make its data-parallel world size:
+        # the shard group's, times the replicating group's under hybrid sharding.
+        fsdp: Any = wrapper
+        divides_by = float(fsdp._gradient_predivide_factor * fsdp._gradient_postdivide_factor)
+        hook = getattr(wrapper, "_comm_hook", None)
+        unread = ""
+        if hook is not None and not getattr(hook, "__module__", "").startswith("torch."):
+            unread = (f"FSDP communication hook {getattr(hook, '__qualname__', repr(hook))} (not one of torch's) may "
+                      f"scale the gradients as it likes; taken to divide by {divides_by:g}, as FSDP's own reduction")
+        inter = getattr(fsdp, "_inter_node_pg", None) if "HYBRID" in str(fsdp.sharding_strategy) else None
+        if inter is None:
+            return Averaging(group_ranks(fsdp.process_group), fsdp.process_group, divides_by, unread=unread)
+        mesh = getattr(fsdp, "_device_mesh", None)
+        if mesh is not None:
+            ranks = tuple(sorted(mesh.mesh.flatten().tolist()))
+        elif fsdp.process_group.size() * inter.size() == dist.get_world_size():
+            ranks = tuple(range(dist.get_world_size()))
+        else:  # two groups given by hand over part of the world: which ranks they span is not written anywhere
+            return None
+        return Averaging(ranks, None, divides_by, unread=unread)
 
     def read_whole(self, wrapper: nn.Module) -> contextlib.AbstractContextManager[Any]:
         # Not built: FSDP1 forbids a forward inside summon_full_params, and a reference model's forward can

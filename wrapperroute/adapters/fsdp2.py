@@ -31,7 +31,7 @@ except ImportError:
 from ._copies import dtensor_copies
 from ._hooks import hooks_set_aside, put_hooks_back
 from ._units import units_for
-from .base import Adapter, Replica
+from .base import Adapter, Averaging, Replica
 
 _auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = weakref.WeakKeyDictionary()
 
@@ -111,6 +111,27 @@ class FSDP2Adapter(Adapter):
     ) -> contextlib.AbstractContextManager[Any]:
         return hooks_set_aside(wrapper)
 
+    def averaging(self, wrapper: nn.Module) -> Averaging | None:
+        # Each parameter group reduces over its data-parallel mesh (HSDP: reduce-scatter over one dimension,
+        # all-reduce over the other) and divides by its gradient divide factor, the mesh's size unless
+        # set_gradient_divide_factor set another. A (dp, tp) or flattened (dp x cp) model: the mesh given to
+        # fully_shard, so tensor-parallel ranks are not in it and context-parallel ones are.
+        found: set[tuple[tuple[int, ...], float, str]] = set()
+        meshes = {}
+        for unit in wrapper.modules():
+            if _is_unit(unit):
+                for group in _param_groups(unit._get_fsdp_state()):  # type: ignore[operator]
+                    mesh = group.mesh_info.mesh
+                    ranks = tuple(sorted(mesh.mesh.flatten().tolist()))
+                    divides_by, unread = _divide_factor(group, len(ranks))
+                    found.add((ranks, divides_by, unread))
+                    meshes[ranks] = mesh
+        if len(found) != 1:
+            return None  # no group (nothing to reduce), or groups reducing over different ranks or factors
+        ranks, divides_by, unread = found.pop()
+        mesh = meshes[ranks]
+        return Averaging(ranks, mesh.get_group() if mesh.ndim == 1 else None, divides_by, unread=unread)
+
     def replicas(self, wrapper: nn.Module) -> list[Replica]:
         # A parameter's local part is copied on the ranks of its mesh that share this rank's coordinates on the
         # dimensions it is sharded over: HSDP's replicate dimension, replicate()'s whole mesh; none for FSDP.
@@ -152,6 +173,19 @@ def _param_groups(state: Any) -> list[Any]:
         return list(groups)
     group = getattr(state, "_fsdp_param_group", None)
     return [group] if group is not None else []
+
+
+def _divide_factor(group: Any, mesh_size: int) -> tuple[float, str]:
+    """What a parameter group divides its reduced gradients by, and what of it cannot be read."""
+    unread = ""
+    if getattr(group, "_all_reduce_hook", None) is not None:
+        unread = "an FSDP2 all-reduce hook (set_all_reduce_hook) may scale the gradients as it likes"
+    factor = getattr(group, "gradient_divide_factor", None)
+    if factor is not None:
+        return float(factor), unread
+    if getattr(group, "reduce_scatter_reduce_op", None) is not None:  # torch before set_gradient_divide_factor
+        unread = "a reduce-scatter op set by hand (set_reduce_scatter_divide_factor) cannot be read back"
+    return float(mesh_size), unread
 
 
 def _replicates(module: nn.Module) -> bool:

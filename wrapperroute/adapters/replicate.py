@@ -25,8 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ._copies import group_ranks
 from ._hooks import hooks_set_aside, put_hooks_back
-from .base import Adapter, Replica
-from .ddp import check_loss_reachable, concurrency_reason, replicated, without_graph_optimizer
+from .base import Adapter, Averaging, Replica
+from .ddp import check_loss_reachable, concurrency_reason, mean_over, replicated, without_graph_optimizer
 
 
 def _ddp_of(module: nn.Module) -> DistributedDataParallel | None:
@@ -103,6 +103,14 @@ class ReplicateAdapter(Adapter):
 
     def replicas(self, wrapper: nn.Module) -> list[Replica]:
         return replicated(wrapper, group_ranks(_process_group(wrapper)))
+
+    def averaging(self, wrapper: nn.Module) -> Averaging:
+        group = _process_group(wrapper)
+        ddp = _ddp_of(wrapper)
+        if ddp is None:  # before the first forward: the DDP it builds averages over this group
+            ranks = group_ranks(group)
+            return Averaging(ranks, group, float(len(ranks)))
+        return mean_over(ddp, group)
 
 
 def _process_group(module: nn.Module) -> Any:

@@ -4,6 +4,11 @@ Gradient truth: after each step every parameter's full gradient is compared (1) 
 all-gather, and (2) against a single process that computes the same loss on the concatenated global batch
 from identical initial weights. Routed cells must show 0 parameters differing and a tiny reference error;
 unrouted cells show what the bug does.
+
+A token-level loss is a sum over its valid tokens divided by :func:`wrapperroute.token_divisor` of the step's
+count, and its batches hold different numbers of valid tokens on every rank and micro-batch: the reference is
+the mean over every valid token of every micro-batch of the global batch. ``normalise="rank_mean"`` runs the
+same batches with each rank's own mean instead, the objective the divisor replaces.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import math
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -23,7 +28,8 @@ from .._torch_internals import reset_dynamo
 from ..adapters._copies import group_ranks
 from ..crossrank import Row, compare
 from ..route import Mode, route_loss
-from .losses import LOSSES, make_batch
+from ..tokens import token_divisor
+from .losses import LOSSES, Batch, LossCase, make_batch
 from .models import TinyConfig, build_model
 from .wrappers import WRAPPERS, build_none
 
@@ -45,11 +51,14 @@ class Cell:
     config: TinyConfig | None = None  # default: the loss's own
     rows: int = 2
     fresh_compile: bool = False  # drop Dynamo's caches first, so a compiled loss is compiled inside the wrapper
+    # a token-level loss: its sum over token_divisor ("divisor"), or each rank's own mean ("rank_mean")
+    normalise: Literal["divisor", "rank_mean"] = "divisor"
 
     def label(self) -> str:
         how = f"routed[{self.mode}]" if self.routed else "unrouted"
         opts = ",".join(f"{k}={v}" for k, v in sorted(self.wrapper_opts.items()))
-        return f"{self.wrapper}{'(' + opts + ')' if opts else ''} / {self.loss} / {how}"
+        mean = ", per-rank mean" if self.normalise == "rank_mean" and LOSSES[self.loss].summed else ""
+        return f"{self.wrapper}{'(' + opts + ')' if opts else ''} / {self.loss} / {how}{mean}"
 
 
 @dataclass
@@ -92,6 +101,14 @@ def max_grad_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> flo
     return max(abs_diff(a[n], b[n]) for n in b)
 
 
+def _shard(batch: Batch, shard: tuple[int, int] | None) -> Batch:
+    """This rank's part of each sequence under context parallelism (``(index, parts)``), else the batch."""
+    if shard is None:
+        return batch
+    index, parts = shard
+    return {key: value.chunk(parts, dim=1)[index] for key, value in batch.items()}
+
+
 def run_cell(cell: Cell) -> CellResult:
     """Run ``cell`` on this rank; every rank must call it. Errors inside the step are reported, not raised,
     when every rank hits them at the same point (the crash reproductions)."""
@@ -104,26 +121,29 @@ def run_cell(cell: Cell) -> CellResult:
         reset_dynamo()
         forget_isolated()
 
-    wrapped = WRAPPERS[cell.wrapper].build(build_model(config), dict(cell.wrapper_opts))
+    wrapper_case = WRAPPERS[cell.wrapper]
+    opts = dict(cell.wrapper_opts)
+    if wrapper_case.accumulation_option is not None:  # DeepSpeed accumulates micro-batches itself
+        opts.setdefault(wrapper_case.accumulation_option, cell.accum)
+    wrapped = wrapper_case.build(build_model(config), opts)
     extras = case.extras(config)
     reference = build_none(wrapped.twin if wrapped.twin is not None else build_model(config), {})
     # under tensor parallelism the ranks of one group read one batch: batches go by data-parallel replica
     data_rank = rank if wrapped.data_rank is None else wrapped.data_rank
     data_world = world if wrapped.data_world is None else wrapped.data_world
     reference_extras = case.extras(config)
+    by_tokens = case.summed is not None and cell.normalise == "divisor"
     isolated_before = routing_state().isolated
     for step in range(cell.steps):
+        micro_batches = [_shard(make_batch(case, config, data_rank, step, micro, cell.rows, True), wrapped.seq_shard)
+                         for micro in range(cell.accum)]  # fmt: skip
         try:
-            for micro in range(cell.accum):
-                batch = make_batch(case, config, data_rank, step, micro, cell.rows)
+            # the step's count first, on every rank: the divisor of every micro-batch's summed loss
+            divisor = token_divisor(wrapped.model, sum(map(case.count, micro_batches))) if by_tokens else None  # type: ignore[arg-type]
+            for micro, batch in enumerate(micro_batches):
                 last = micro == cell.accum - 1
                 with contextlib.nullcontext() if last else wrapped.no_sync():
-                    if cell.routed:
-                        loss = route_loss(
-                            wrapped.model, wrapped.inner, case.compute, wrapped.inner, batch, extras, mode=cell.mode
-                        )
-                    else:
-                        loss = case.compute(wrapped.inner, batch, extras)  # type: ignore[arg-type]
+                    loss = _loss(cell, case, wrapped.model, wrapped.inner, batch, extras, divisor)
                     wrapped.backward(loss)
                 result.losses.append(float(loss.detach()))
         except Exception:
@@ -132,10 +152,15 @@ def run_cell(cell: Cell) -> CellResult:
         grads = wrapped.full_grads()
         differ, rank_diff = differing_across_ranks(grads)
 
-        for micro in range(cell.accum):
-            batches = [make_batch(case, config, r, step, micro, cell.rows) for r in range(data_world)]
-            ref_loss = case.compute(reference.model, case.concat(batches), reference_extras)  # type: ignore[arg-type]
-            (ref_loss * wrapped.loss_scale).backward()
+        globals_ = [case.concat([make_batch(case, config, r, step, micro, cell.rows, True) for r in range(data_world)])
+                    for micro in range(cell.accum)]  # fmt: skip
+        total = sum(map(case.count, globals_)) if case.count is not None else 0
+        for batch in globals_:
+            if case.summed is not None:  # the mean over every valid token of the step's global batch
+                ref_loss = case.summed(reference.model, batch, reference_extras) / total  # type: ignore[arg-type]
+            else:  # a mean over sequences: every micro-batch holds as many on every rank
+                ref_loss = case.compute(reference.model, batch, reference_extras) * wrapped.loss_scale  # type: ignore[arg-type]
+            ref_loss.backward()
         ref_grads = reference.full_grads()
 
         result.params = len(grads)
@@ -147,3 +172,16 @@ def run_cell(cell: Cell) -> CellResult:
     result.fell_back = bool(routing_state().isolated - isolated_before)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _loss(
+    cell: Cell, case: LossCase, model: Any, inner: Any, batch: Batch, extras: dict[str, Any], divisor: Any
+) -> torch.Tensor:
+    """One micro-batch's loss, routed through ``model`` or computed on ``inner`` as the bug does: the sum over
+    ``divisor``, or the loss's own mean."""
+    fn: Any = case.compute if divisor is None else case.summed
+    if cell.routed:
+        loss = route_loss(model, inner, fn, inner, batch, extras, mode=cell.mode)
+    else:
+        loss = fn(inner, batch, extras)
+    return loss if divisor is None else loss / divisor

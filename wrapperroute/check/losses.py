@@ -29,7 +29,12 @@ def _first(output: Any) -> torch.Tensor:
 
 @dataclass
 class LossCase:
-    """One loss: how to make data for it and how to compute it from the *unwrapped* model."""
+    """One loss: how to make data for it and how to compute it from the *unwrapped* model.
+
+    ``compute`` is the loss as a mean over the batch it is given (over its valid tokens, or its sequences). A
+    token-level loss also has ``summed``, the sum over the valid tokens, and ``count``, how many they are: its
+    cells divide ``summed`` by :func:`wrapperroute.token_divisor` of the step's count, and its batches hold
+    different numbers of valid tokens on every rank and micro-batch."""
 
     name: str
     make_batch: Callable[[TinyConfig, torch.Generator, int], Batch]
@@ -37,6 +42,8 @@ class LossCase:
     requires: str | None = None  # optional package
     extras: Callable[[TinyConfig], dict[str, Any]] = field(default=lambda config: {})
     config: TinyConfig = field(default_factory=TinyConfig)  # the default model size for this loss
+    summed: Callable[[TinyCausalLM, Batch, dict[str, Any]], torch.Tensor] | None = None
+    count: Callable[[Batch], int] | None = None
 
     def unavailable(self) -> str | None:
         """Why this loss cannot run here, or None."""
@@ -58,26 +65,56 @@ def _ce_batch(config: TinyConfig, generator: torch.Generator, rows: int) -> Batc
     return {"input_ids": ids, "labels": torch.roll(ids, -1, dims=1)}
 
 
-def fused_cross_entropy(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+IGNORE = -100  # F.cross_entropy's and linear_cross_entropy's default ignore_index
+
+
+def mask_labels(batch: Batch, generator: torch.Generator) -> Batch:
+    """The batch with each row's first labels ignored, as a prompt mask or left padding does: each row keeps a
+    drawn number of valid labels, from one to all, so ranks and micro-batches hold different numbers of them."""
+    labels = batch["labels"]
+    rows, seq = labels.shape
+    kept = torch.randint(1, seq + 1, (rows, 1), generator=generator)
+    return {**batch, "labels": torch.where(torch.arange(seq) >= seq - kept, labels, IGNORE)}
+
+
+def valid_tokens(batch: Batch) -> int:
+    """The labels not ignored: what a token-level loss averages over."""
+    return int((batch["labels"] != IGNORE).sum())
+
+
+def fused_cross_entropy(
+    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"
+) -> torch.Tensor:
     """The fused-loss pattern, the one definition the check, the tests and the benchmarks share: the tiny LM's
     hidden states times ``lm_head.weight`` read directly (the weight, not the module), then cross-entropy."""
     head: Any = model.lm_head
     logits = model(input_ids) @ head.weight.t()
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction=reduction)
 
 
 def _fused_ce(model: TinyCausalLM, batch: Batch, extras: dict[str, Any]) -> torch.Tensor:
     return fused_cross_entropy(model, batch["input_ids"], batch["labels"])
 
 
-def _backbone_ce(model: TinyCausalLM, batch: Batch, extras: dict[str, Any]) -> torch.Tensor:
+def _fused_ce_sum(model: TinyCausalLM, batch: Batch, extras: dict[str, Any]) -> torch.Tensor:
+    return fused_cross_entropy(model, batch["input_ids"], batch["labels"], "sum")
+
+
+def _backbone_logits(model: TinyCausalLM, batch: Batch) -> torch.Tensor:
     # The submodules called one by one, never the root: HF's ``unwrapped.model(...)`` then the head's weight.
     # Where the wrapper is the root's own forward hooks (composable replicate, FSDP2), this skips them too.
     hidden = model.embed(batch["input_ids"])
     for block in model.blocks:
         hidden = block(hidden)
-    logits = hidden @ model.lm_head.weight.t()
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+    return (hidden @ model.lm_head.weight.t()).flatten(0, 1).float()
+
+
+def _backbone_ce(model: TinyCausalLM, batch: Batch, extras: dict[str, Any]) -> torch.Tensor:
+    return F.cross_entropy(_backbone_logits(model, batch), batch["labels"].flatten())
+
+
+def _backbone_ce_sum(model: TinyCausalLM, batch: Batch, extras: dict[str, Any]) -> torch.Tensor:
+    return F.cross_entropy(_backbone_logits(model, batch), batch["labels"].flatten(), reduction="sum")
 
 
 # --- Liger chunked preference losses (torch.func inside torch.compile) --------------------------------------
@@ -185,12 +222,16 @@ def hidden_states(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return base(input_ids=ids).last_hidden_state
 
 
-def _vocab_ce(model: nn.Module, batch: Batch, extras: dict[str, Any]) -> torch.Tensor:
+def _vocab_ce(model: nn.Module, batch: Batch, extras: dict[str, Any], reduction: Any = "mean") -> torch.Tensor:
     from ..losses import linear_cross_entropy
 
     head: Any = model.get_submodule("lm_head")
     hidden = hidden_states(model, batch["input_ids"]).flatten(0, 1)
-    return linear_cross_entropy(hidden, head.weight, batch["labels"].flatten(), chunk_size=5)
+    return linear_cross_entropy(hidden, head.weight, batch["labels"].flatten(), reduction=reduction, chunk_size=5)
+
+
+def _vocab_ce_sum(model: nn.Module, batch: Batch, extras: dict[str, Any]) -> torch.Tensor:
+    return _vocab_ce(model, batch, extras, "sum")
 
 
 def _vocab_dpo(model: nn.Module, batch: Batch, extras: dict[str, Any]) -> torch.Tensor:
@@ -207,8 +248,9 @@ def _vocab_dpo(model: nn.Module, batch: Batch, extras: dict[str, Any]) -> torch.
 
 
 LOSSES: dict[str, LossCase] = {
-    "fused_ce": LossCase("fused_ce", _ce_batch, _fused_ce),
-    "backbone_ce": LossCase("backbone_ce", _ce_batch, _backbone_ce),
+    "fused_ce": LossCase("fused_ce", _ce_batch, _fused_ce, summed=_fused_ce_sum, count=valid_tokens),
+    "backbone_ce": LossCase("backbone_ce", _ce_batch, _backbone_ce, summed=_backbone_ce_sum,
+                            count=valid_tokens),
     "liger_dpo": LossCase(
         "liger_dpo",
         _pair_batch,
@@ -226,12 +268,17 @@ LOSSES: dict[str, LossCase] = {
         config=TinyConfig(vocab=2048, hidden=64, layers=1, seq=8),
     ),
     "func_chunked": LossCase("func_chunked", _ce_batch, _func_chunked),
-    "vocab_ce": LossCase("vocab_ce", _ce_batch, _vocab_ce),
+    "vocab_ce": LossCase("vocab_ce", _ce_batch, _vocab_ce, summed=_vocab_ce_sum, count=valid_tokens),
     "vocab_dpo": LossCase("vocab_dpo", _pair_batch, _vocab_dpo),
 }
 
 
-def make_batch(case: LossCase, config: TinyConfig, rank: int, step: int, micro: int, rows: int = 2) -> Batch:
-    """Deterministic per (rank, step, micro-batch): any rank can rebuild every rank's batch."""
+def make_batch(
+    case: LossCase, config: TinyConfig, rank: int, step: int, micro: int, rows: int = 2, uneven: bool = False
+) -> Batch:
+    """Deterministic per (rank, step, micro-batch): any rank can rebuild every rank's batch. ``uneven``: a
+    token-level loss's labels partly ignored (:func:`mask_labels`), a different number on every rank and
+    micro-batch; otherwise every label counts."""
     generator = torch.Generator().manual_seed(10_000 + 1000 * step + 100 * micro + rank)
-    return case.make_batch(config, generator, rows)
+    batch = case.make_batch(config, generator, rows)
+    return mask_labels(batch, generator) if uneven and case.summed is not None else batch

@@ -133,3 +133,35 @@ def build_replicate_fsdp(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
 
     no_sync = functools.partial(gradient_sync_off, root)
     return Wrapped(model, model, no_sync, full_grads, _sgd(model.parameters()))
+
+
+def build_fsdp2_cp(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
+    """opts: ``cp``. Context parallelism by hand: ranks in (dp, cp) order, each sequence cut into ``cp`` parts
+    (rank ``r`` reads part ``r % cp`` of replica ``r // cp``'s batch), every block and the root ``fully_shard``
+    over one mesh of every rank: the flattened dp x cp mesh, as torchtitan shards with context parallelism. The
+    tiny model has no attention (each position's hidden state is its own token's), so a cut sequence needs no
+    ring attention and its parts' losses add up to the whole's: what is checked is how tokens are counted."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    fully_shard = fsdp2_api().fully_shard
+    world, cp = dist.get_world_size(), int(opts["cp"])
+    if cp < 2 or world % cp or world == cp:
+        raise ValueError(f"context parallelism over {cp} ranks needs at least 2, dividing the world with dp >= 2")
+    flat = DeviceMesh("cpu", torch.arange(world), mesh_dim_names=("dp_cp",))
+    blocks: Any = model.get_submodule("blocks")
+    for block in blocks:
+        fully_shard(block, mesh=flat)
+    fully_shard(model, mesh=flat)
+    root: Any = model
+
+    def full_grads() -> dict[str, torch.Tensor]:
+        grads: dict[str, torch.Tensor] = {}
+        for name, param in model.named_parameters():
+            grad: Any = param.grad
+            grads[name] = grad.full_tensor().detach().clone() if grad is not None else torch.zeros(param.shape)
+        return grads
+
+    rank = dist.get_rank()
+    no_sync = functools.partial(gradient_sync_off, root)
+    return Wrapped(model, model, no_sync, full_grads, _sgd(model.parameters()), data_rank=rank // cp,
+                   data_world=world // cp, seq_shard=(rank % cp, cp))  # fmt: skip

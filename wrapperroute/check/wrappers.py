@@ -29,6 +29,8 @@ class Wrapped:
     data_rank: int | None = None
     data_world: int | None = None
     twin: nn.Module | None = None  # the one-process reference with the same weights (None: the check's tiny LM)
+    # Context parallelism: this rank's part of each sequence, (index, parts); None: whole sequences.
+    seq_shard: tuple[int, int] | None = None
 
 
 def missing_package(requires: str | None) -> str | None:
@@ -57,6 +59,7 @@ class WrapperCase:
     cpu_torch: tuple[tuple[int, int], str] | None = None  # (oldest torch it runs right on CPU/gloo, why)
     min_ranks: int = 2  # fewer ranks make the layout degenerate (HSDP's 2-D mesh, resharding to 2 of 4 ranks)
     losses: tuple[str, ...] | None = None  # the only losses this layout runs (a sharded head needs vocab_* ones)
+    accumulation_option: str | None = None  # the builder option that takes the cell's micro-batches per step
 
     def unavailable(self, nproc: int | None = None) -> str | None:
         """Why this wrapper cannot be checked here (on CPU ranks; on ``nproc`` of them, if given), or None."""
@@ -174,6 +177,8 @@ def build_fabric(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
 
 # The losses that read a head sharded on the vocabulary: wrapperroute.losses' primitives.
 VOCAB_LOSSES = ("vocab_ce", "vocab_dpo")
+# The token-level losses: a sequence cut over context-parallel ranks is scored token by token.
+TOKEN_LOSSES = ("fused_ce", "backbone_ce", "vocab_ce")
 
 WRAPPERS: dict[str, WrapperCase] = {
     "none": WrapperCase("none", f"{__name__}:build_none"),
@@ -209,6 +214,11 @@ WRAPPERS: dict[str, WrapperCase] = {
             ("fsdp2_reshard2", (("groups", "layers"), ("reshard", 2))),
         )
     },
+    "dp2_cp2": WrapperCase(
+        "dp2_cp2", "wrapperroute.check.wrap_fsdp:build_fsdp2_cp", defaults=(("cp", 2),), min_ranks=4,
+        losses=TOKEN_LOSSES,
+        cpu_torch=((2, 9), "before 2.9, fully_shard on gloo fails or sums gradients instead of averaging them"),
+    ),
     **{
         name: WrapperCase(name, "wrapperroute.check.wrap_tp:build_tp", defaults=defaults, min_ranks=4,
                           losses=VOCAB_LOSSES)
@@ -222,7 +232,8 @@ WRAPPERS: dict[str, WrapperCase] = {
     },
     **{
         f"zero{stage}": WrapperCase(
-            f"zero{stage}", "wrapperroute.check.wrap_deepspeed:build_zero", "deepspeed", (("stage", stage),)
+            f"zero{stage}", "wrapperroute.check.wrap_deepspeed:build_zero", "deepspeed", (("stage", stage),),
+            accumulation_option="gradient_accumulation_steps",
         )
         for stage in range(4)
     },

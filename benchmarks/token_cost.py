@@ -1,0 +1,86 @@
+"""What ``token_divisor`` costs a training step: a routed DDP step of a summed loss over ``token_divisor(model,
+count)`` against the same step over the rank's own count, same run, repetitions interleaved.
+
+    python3 benchmarks/token_cost.py            # ~10M-parameter DDP model, 2 CPU ranks (a few minutes)
+    python3 benchmarks/token_cost.py --quick    # a smoke run
+
+The ratio is the median of the per-repetition ratios, with their 10th and 90th percentiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import bench_ranks  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from wrapperroute import route_loss  # noqa: E402
+from wrapperroute.ranks import RankPool  # noqa: E402
+
+
+def token_divisor_ratio(size: str, reps: int) -> dict[str, Any]:
+    """A routed DDP step of a summed loss over ``token_divisor`` (the step's count all-reduced) / the same step
+    over this rank's own count (no collective), forward+backward+SGD: what the divisor adds to a step."""
+    from wrapperroute import token_divisor
+
+    config = bench_ranks.SIZES[size]
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    ids = torch.randint(0, config.vocab, (4, config.seq), generator=generator)
+    labels = torch.roll(ids, -1, 1)
+    labels[:, : 3 + dist.get_rank()] = -100  # a different count on each rank
+    count = int((labels != -100).sum())
+    lm = bench_ranks.build_model(config)
+    model = DDP(lm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def summed(inner: Any) -> torch.Tensor:
+        logits = inner(ids) @ inner.lm_head.weight.t()
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+    def step(divisor: Callable[[], Any]) -> Callable[[], None]:
+        def run() -> None:
+            (route_loss(model, lm, summed, lm) / divisor()).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return run
+
+    per_rep = bench_ranks._steps_per_rep(lm)
+    with_divisor = bench_ranks._repeated(step(lambda: token_divisor(model, count)), per_rep)
+    own_count = bench_ranks._repeated(step(lambda: torch.tensor(float(count))), per_rep)
+    timed = bench_ranks._paired(with_divisor, own_count, reps)
+    return {"params": bench_ranks.params_of(lm), "steps_per_rep": per_rep, **timed}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    size, reps = ("tiny", 5) if args.quick else ("10M", 41)
+    started = time.perf_counter()
+    with RankPool(2) as pool:
+        row = pool.run(token_divisor_ratio, size, reps, timeout=1800)[0]
+    print(json.dumps({"size": size, **row}, indent=1))
+    print(
+        f"step over token_divisor / step over the rank's own count, {row['params'] / 1e6:.1f}M-parameter DDP model, "
+        f"2 CPU ranks ({time.perf_counter() - started:.0f} s): {row['ratio']:.3f} [p10 {row['ratio_p10']:.3f}, "
+        f"p90 {row['ratio_p90']:.3f}]; {row['median_a_ms']:.1f} vs {row['median_b_ms']:.1f} ms"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
