@@ -185,4 +185,5 @@ def trainer_token_mean(layout: str, normalise: str) -> dict[str, Any]:
     ids = torch.tensor([row["input_ids"] for row in rows])
     labels = torch.tensor([row["labels"] for row in rows])
     (_shifted_sum(reference, ids, labels) / int((labels[:, 1:] != -100).sum())).backward()
-    return {"wrapper": type(trainer.model_wrapped).__name__, "max_ref_diff": max_grad_diff(probe.grads, whole_grads(reference))}
+    difference = max_grad_diff(probe.grads, whole_grads(reference))
+    return {"wrapper": type(trainer.model_wrapped).__name__, "max_ref_diff": difference}
