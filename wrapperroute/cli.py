@@ -144,6 +144,8 @@ def _rank_mean_cell(pairs: list[tuple[str, str]]) -> tuple[str, str, str] | None
 def check(args: argparse.Namespace) -> int:
     if args.nproc < 2:
         raise UsageError(f"--nproc must be at least 2 to compare ranks, got {args.nproc}")
+    if args.accum < 1:
+        raise UsageError(f"--accum must be at least 1 micro-batch per step, got {args.accum}")
     if args.trl:
         from .check.trl_report import check_trl
 
@@ -158,8 +160,9 @@ def check(args: argparse.Namespace) -> int:
 
     pairs = [(w, loss) for w in wrappers for loss in losses if WRAPPERS[w].runs(loss)]
     cells: list[tuple[str, str, bool | str]] = [(w, loss, routed) for w, loss in pairs for routed in (False, True)]
-    rank_mean = _rank_mean_cell(pairs)
-    if rank_mean is not None:
+    if args.rank_means:  # each rank's own mean beside every token-level loss's routed cell
+        cells += [(w, loss, RANK_MEAN) for w, loss in pairs if LOSSES[loss].summed is not None]
+    elif (rank_mean := _rank_mean_cell(pairs)) is not None:
         cells.append(rank_mean)
     left_out = sorted({w for w in wrappers if not all(WRAPPERS[w].runs(loss) for loss in losses)})
     for name in left_out:
@@ -226,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--losses", help=f"comma-separated subset of: {', '.join(LOSSES)}")
     run.add_argument("--steps", type=int, default=1, help="optimizer steps per cell (default 1)")
     run.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step (default 2)")
+    run.add_argument("--rank-means", action="store_true",
+                     help="a row of each rank's own mean for every token-level loss (default: one row)")
     run.add_argument("--timeout", type=float, default=300.0, help="seconds a cell may take (default 300)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     run.add_argument("--verbose", action="store_true", help="show the libraries' warnings and logs from the ranks")

@@ -319,7 +319,10 @@ def linear_cross_entropy(
     ``hidden`` ``(N, H)``; ``weight`` ``(V, H)``, plain or a DTensor sharded on the vocabulary over one mesh
     dimension; ``target`` ``(N,)``, ``ignore_index`` ignored. ``reduction``: ``"mean"`` over the tokens not
     ignored (NaN when none is, as torch), ``"sum"``, or ``"none"`` (per token, 0 where ignored). Accumulates and
-    returns float32 (float64 for float64 inputs).
+    returns float32 (float64 for float64 inputs). Under data parallelism, ``"sum"`` divided by
+    :func:`wrapperroute.token_divisor` is the mean over every valid token of the global batch (each rank's
+    ``"mean"`` is not, once ranks hold different numbers of them); a rank whose tokens are all ignored gives 0
+    and zero gradients.
     """
     if reduction not in ("mean", "sum", "none"):
         raise RouteValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
