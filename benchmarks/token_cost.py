@@ -1,7 +1,8 @@
 """What ``token_divisor`` costs a training step: a routed DDP step of a summed loss over ``token_divisor(model,
-count)`` against the same step over the rank's own count, same run, repetitions interleaved.
+count)`` against the same step over the rank's own count, and against the same step over a bare all-reduce of
+the same two numbers (what any global count costs), same run, repetitions interleaved.
 
-    python3 benchmarks/token_cost.py            # ~10M-parameter DDP model, 2 CPU ranks (a few minutes)
+    python3 benchmarks/token_cost.py            # ~10M-parameter DDP model, 2 CPU ranks (~2 minutes)
     python3 benchmarks/token_cost.py --quick    # a smoke run
 
 The ratio is the median of the per-repetition ratios, with their 10th and 90th percentiles; beside it, the time
@@ -68,30 +69,41 @@ def token_divisor_ratio(size: str, reps: int) -> dict[str, Any]:
         spent.append(time.perf_counter() - start)
         return value
 
+    def bare_all_reduce() -> torch.Tensor:
+        """The one collective any global count needs, and nothing else: what the machine charges for it."""
+        sent = torch.tensor([float(count), 0.0], dtype=torch.float64)
+        dist.all_reduce(sent)
+        return torch.tensor(sent.tolist()[0] / dist.get_world_size())
+
     per_rep = bench_ranks._steps_per_rep(lm)
     with_divisor = bench_ranks._repeated(step(timed_divisor), per_rep)
     own_count = bench_ranks._repeated(step(lambda: torch.tensor(float(count))), per_rep)
+    bare = bench_ranks._repeated(step(bare_all_reduce), per_rep)
     timed = bench_ranks._paired(with_divisor, own_count, reps)
     call = sorted(spent)[len(spent) // 2]
     share = call * per_rep / (timed["median_b_ms"] / 1e3)
     return {"params": bench_ranks.params_of(lm), "steps_per_rep": per_rep, "call_us": call * 1e6,
-            "call_share": share, **timed}  # fmt: skip
+            "call_share": share, **timed, "over_bare": bench_ranks._paired(with_divisor, bare, reps)}  # fmt: skip
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reps", type=int, default=401, help="interleaved repetitions (default 401)")
     args = parser.parse_args()
-    size, reps = ("tiny", 5) if args.quick else ("10M", 101)
+    size, reps = ("tiny", 5) if args.quick else ("10M", args.reps)
     started = time.perf_counter()
     with RankPool(2) as pool:
         row = pool.run(token_divisor_ratio, size, reps, timeout=1800)[0]
     print(json.dumps({"size": size, **row}, indent=1))
+    bare = row["over_bare"]
     print(
         f"step over token_divisor / step over the rank's own count, {row['params'] / 1e6:.1f}M-parameter DDP model, "
         f"2 CPU ranks ({time.perf_counter() - started:.0f} s): {row['ratio']:.3f} [p10 {row['ratio_p10']:.3f}, "
         f"p90 {row['ratio_p90']:.3f}]; {row['median_a_ms']:.1f} vs {row['median_b_ms']:.1f} ms; token_divisor "
-        f"itself {row['call_us']:.0f} us a call, {row['call_share']:.4f} of a step"
+        f"itself {row['call_us']:.0f} us a call, {row['call_share']:.4f} of a step\n"
+        f"step over token_divisor / step over a bare all-reduce of the same two numbers (the collective alone): "
+        f"{bare['ratio']:.3f} [p10 {bare['ratio_p10']:.3f}, p90 {bare['ratio_p90']:.3f}]"
     )
     return 0
 

@@ -132,13 +132,15 @@ TRAINER_ROWS, TRAINER_SEQ, TRAINER_VOCAB = 8, 8, 64  # one optimizer step: 2 ran
 
 def _trainer_rows() -> list[dict[str, list[int]]]:
     """HF-convention rows (``labels`` aligned with ``input_ids``, shifted by the loss): each row's first labels
-    ignored, a different number per row (a prompt mask), so ranks and micro-batches hold different counts."""
+    ignored, a different number per row (a prompt mask), so ranks and micro-batches hold different counts. The
+    first is always ignored (it is no prediction's target), so the count is the same whether a release counts
+    ``labels`` (before transformers 5.10) or ``labels[..., 1:]``."""
     generator = torch.Generator().manual_seed(4321)
     rows = []
     for index in range(TRAINER_ROWS):
         ids = torch.randint(4, TRAINER_VOCAB, (TRAINER_SEQ,), generator=generator)
         labels = ids.clone()
-        labels[: (5 * index) % (TRAINER_SEQ - 1)] = -100
+        labels[: 1 + (5 * index) % (TRAINER_SEQ - 1)] = -100
         rows.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
     return rows
 

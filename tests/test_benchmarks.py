@@ -29,6 +29,13 @@ def test_quick_benchmark_runs(tmp_path: pathlib.Path) -> None:
         assert results["ddp_call_overhead"]["1e6"]["bare_us"] > 0 and "bare swap" in done.stdout
 
 
+def test_token_cost_quick_run() -> None:
+    done = subprocess.run([sys.executable, str(BENCH / "token_cost.py"), "--quick"], capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step over token_divisor / step over the rank's own count" in done.stdout, done.stdout
+
+
 def test_instruction_count_workers_run() -> None:
     """benchmarks/instructions.py counts under valgrind (10 minutes: not here); its two workers must run."""
     paths = ["ours"] + (["trl"] if importlib.util.find_spec("trl") is not None else [])
