@@ -28,7 +28,7 @@ from .check.wrappers import WRAPPERS, WrapperCase
 
 DEFAULT_WRAPPERS = (
     "ddp", "replicate", "fabric_ddp", "fsdp1", "fsdp2", "replicate_fsdp",
-    "hsdp", "fsdp2_tail", "fsdp2_keep", "fsdp2_reshard2", "dp2_cp2",  # need 4 ranks
+    "fsdp1_hybrid", "hsdp", "fsdp2_tail", "fsdp2_keep", "fsdp2_reshard2", "dp2_cp2",  # need 4 ranks
     "tp2_dp2", "tp2_hsdp", "tp4", "hf_tp2_fsdp2", "hf_tp4",  # need 4 ranks; the head sharded on the vocabulary
     "zero1", "zero2", "zero3",
 )  # fmt: skip

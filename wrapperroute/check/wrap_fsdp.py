@@ -50,11 +50,19 @@ def fsdp1_full_params(fsdp: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def build_fsdp1(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
-    """opts: ``use_orig_params`` (default True), ``lm_head_unit`` (wrap lm_head on its own, default False)."""
+    """opts: ``use_orig_params`` (default True), ``lm_head_unit`` (wrap lm_head on its own, default False),
+    ``hybrid`` (``HYBRID_SHARD`` over a (replicate, shard) mesh: 4 ranks or more, in pairs)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     use_orig_params = opts.get("use_orig_params", True)
-    common = {"device_id": torch.device("cpu"), "use_orig_params": use_orig_params}
+    common: dict[str, Any] = {"device_id": torch.device("cpu"), "use_orig_params": use_orig_params}
+    if opts.get("hybrid"):  # HYBRID_SHARD over a (replicate, shard) mesh of ranks in pairs
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import ShardingStrategy
+
+        world = dist.get_world_size()
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+        common.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=mesh)
     if opts.get("lm_head_unit", False):
         model.register_module("lm_head", FSDP(model.get_submodule("lm_head"), **common))
     fsdp = FSDP(model, **common)

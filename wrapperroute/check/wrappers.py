@@ -186,6 +186,9 @@ WRAPPERS: dict[str, WrapperCase] = {
     "replicate": WrapperCase("replicate", f"{__name__}:build_replicate"),
     "fabric_ddp": WrapperCase("fabric_ddp", f"{__name__}:build_fabric", "lightning"),
     "fsdp1": WrapperCase("fsdp1", "wrapperroute.check.wrap_fsdp:build_fsdp1"),
+    "fsdp1_hybrid": WrapperCase(
+        "fsdp1_hybrid", "wrapperroute.check.wrap_fsdp:build_fsdp1", defaults=(("hybrid", True),), min_ranks=4
+    ),
     "fsdp2": WrapperCase(
         "fsdp2",
         "wrapperroute.check.wrap_fsdp:build_fsdp2",
