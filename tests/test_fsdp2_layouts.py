@@ -1,7 +1,8 @@
-"""FSDP2 layouts that need 4 ranks to be what they are, on a 4-rank gloo pool: HSDP (a 2x2 mesh, replicate x
+"""Layouts that need 4 ranks to be what they are, on a 4-rank gloo pool: FSDP2 HSDP (a 2x2 mesh, replicate x
 shard), the grouped tail unit accelerate's FSDP2 plugin builds, ``reshard_after_forward=False`` and an int
-(resharding to 2 of 4 ranks). Routed: exact against one process on the global batch; unrouted: the loss that
-reads the backbone's sharded weights outside any forward crashes.
+(resharding to 2 of 4 ranks), FSDP1's hybrid sharding and context parallelism over a flattened mesh. Routed:
+exact against one process on the global batch; unrouted: the loss that reads the backbone's sharded weights
+outside any forward crashes.
 """
 
 from __future__ import annotations
@@ -65,3 +66,16 @@ def test_agree_runs_among_the_ranks_of_the_wrappers_mesh(pool4: RankPool) -> Non
     assert "failed on rank(s) [1] of [0, 1]" in (results[0]["raised"] or ""), results[0]
     assert "failed on rank(s) [1] of [0, 1]" in (results[1]["raised"] or ""), results[1]
     assert results[2]["raised"] is None and results[3]["raised"] is None, results
+
+
+@pytest.mark.parametrize("layout", ["fsdp1_hybrid", "dp2_cp2"])
+def test_global_token_mean_over_two_dimensions(pool4: RankPool, layout: str) -> None:
+    """Gradients averaged over two groups (FSDP1's hybrid sharding), or each sequence cut over context-parallel
+    ranks (FSDP2 over the flattened mesh): ``token_divisor`` counts every rank that trains on different tokens,
+    and the summed loss over it is exact against one process's token mean; each rank's own mean is not."""
+    reason = WRAPPERS[layout].unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    _assert_exact(pool4.run(run_cell, Cell(layout, "backbone_ce", accum=2, steps=2)))
+    for rank in pool4.run(run_cell, Cell(layout, "backbone_ce", accum=2, normalise="rank_mean")):
+        assert rank.error is None and rank.max_ref_diff > 1e-3, rank  # the same batches, each rank's own mean
