@@ -7,7 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wrapperroute.audit.replicas import Replica, compare
+from wrapperroute.adapters.base import Replica
+from wrapperroute.audit.replicas import compare
 from wrapperroute.crossrank import Exchange
 
 

@@ -6,6 +6,7 @@ import contextlib
 import warnings
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from wrapperroute import GradSyncError, check_grad_sync, guard, route_loss
@@ -67,3 +68,34 @@ def guard_verdicts() -> dict[str, Any]:
         verdicts[name] = sum("without DDP's forward" in str(w.message) for w in caught)
         model.zero_grad(set_to_none=True)
     return verdicts
+
+
+def adapter_after_fully_shard(sync: str) -> dict[str, Any]:
+    """check_grad_sync after one step of tests/audit_scripts/adapters.py's model: a low-rank adapter added after
+    ``fully_shard`` beside a frozen sharded base; ``sync``: "none", "hand" (gradients averaged by hand) or
+    "shard" (the adapter sharded too). Returns the report's figures."""
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "tests" / "audit_scripts"))
+    import adapters
+
+    from wrapperroute._torch_internals import fsdp2_api
+
+    fully_shard = fsdp2_api().fully_shard
+    model = adapters.Adapted(build_model(CONFIG).requires_grad_(False))
+    fully_shard(model)
+    torch.manual_seed(0)
+    model.down = torch.nn.Linear(CONFIG.hidden, 4, bias=False)
+    model.up = torch.nn.Linear(4, CONFIG.hidden, bias=False)
+    if sync == "shard":
+        fully_shard(model.down)
+        fully_shard(model.up)
+    ids = make_batch(CASE, CONFIG, dist.get_rank(), 0, 0)["input_ids"]
+    route_loss(model, model, adapters.fused_ce, model, ids).backward()
+    if sync == "hand":
+        for param in [*model.down.parameters(), *model.up.parameters()]:
+            dist.all_reduce(param.grad)
+    report = check_grad_sync(model)
+    return {"differing": report.differing, "compared": report.compared, "note": report.note}

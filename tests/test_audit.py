@@ -79,7 +79,9 @@ def test_desync_found_and_in_sync_passes(tmp_path: Path) -> None:
     final = _one_final(bad)
     written = json.loads(report.read_text())
     assert written["verdict"] == "desync" and written["exit_status"] == 3 and written["final_line"] == final
-    assert written["checkpoints"][0]["differences"][0]["key"] == "ddp[0].lm_head.weight", written
+    start, first = written["checkpoints"][:2]  # the parameters before anything stepped, then step 1
+    assert start["label"] == "before step 1" and not start["differences"] and first["label"] == "step 1", written
+    assert first["differences"][0]["key"] == "ddp[0].lm_head.weight", written
     assert final.startswith("wrapperroute audit: DESYNC") and "first at step 1" in final, final
     assert "ddp[0].lm_head.weight (gradient)" in final, final
     assert "6 parameter(s) differ across replicas" in bad["out"] and "gradient  ddp[0]" in bad["out"], bad["out"]
@@ -262,4 +264,4 @@ def test_a_step_that_raises_leaves_no_comparison_pending(pool: RankPool) -> None
 
     for rank in pool.run(rankside_audit.step_that_raises, timeout=120):
         assert rank["raised"] == ["the optimizer's own failure"], rank
-        assert rank["labels"] == ["step 1", "step 2", "step 3", "end"] and not rank["desync"], rank
+        assert rank["labels"] == ["before step 1", "step 1", "step 2", "step 3", "end"] and not rank["desync"], rank

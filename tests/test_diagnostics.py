@@ -37,3 +37,14 @@ def test_guard(pool: RankPool) -> None:
         assert rank["unrouted"].startswith("caught: gradients of a TinyCausalLM"), rank
         assert rank["routed_after"] == "ok"  # no stale state after a caught step
         assert rank["warn_unrouted"] == 1 and rank["warn_routed_after"] == 0, rank  # warned once per backward
+
+
+def test_check_grad_sync_sees_an_adapter_added_after_fully_shard(pool: RankPool) -> None:
+    """A plain trainable adapter beside an FSDP2-sharded frozen base is whole on every rank: compared there.
+    Trained as written each rank's differs; averaged by hand they agree; sharded too, nothing is compared."""
+    for rank in pool.run(rankside_diagnostics.adapter_after_fully_shard, "none"):
+        assert rank["compared"] == 2 and rank["differing"] == 2, rank
+    for rank in pool.run(rankside_diagnostics.adapter_after_fully_shard, "hand"):
+        assert rank["compared"] == 2 and rank["differing"] == 0, rank
+    for rank in pool.run(rankside_diagnostics.adapter_after_fully_shard, "shard"):
+        assert rank["compared"] == 0 and "2 sharded" in rank["note"], rank

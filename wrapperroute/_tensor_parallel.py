@@ -1,8 +1,9 @@
 """The tensor-parallel layout of a model's parameters, as :func:`wrapperroute.detect` reports it.
 
 Read from the parameters themselves: a ``DTensor`` parameter sharded over a mesh dimension that the
-data-parallel wrapper does not own (FSDP2's own dimensions are left out) is tensor-parallel there. Ranks along
-such a dimension hold different slices of one model: they are not replicas of each other.
+data-parallel wrapper does not own (FSDP2's own dimensions are left out), and not named for expert or context
+parallelism, is tensor-parallel there. Ranks along such a dimension hold different slices of one model: they
+are not replicas of each other.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def _dim_name(mesh: Any, dim: int) -> str:
     return str(names[dim]) if names else f"dim{dim}"
 
 
+def _other_parallelism(name: str) -> bool:
+    """Whether a mesh dimension of this name shards for expert or context parallelism (torchtitan's and
+    transformers' names: ``ep``, ``cp``, ``dp_shard_mod_ep``...): its ranks hold other experts, or other parts of
+    a sequence, not slices of one tensor-parallel layer."""
+    parts = name.lower().replace("-", "_").split("_")
+    return any(part in ("ep", "cp", "expert", "experts", "context") for part in parts)
+
+
 def _owned(mesh: Any, dim: int, wrapper_meshes: tuple[Any, ...]) -> bool:
     """Whether ``dim`` of ``mesh`` is one the data-parallel wrapper uses: its own mesh, or a dimension of the
     same name (FSDP2 over ``mesh["dp"]`` of a (dp, tp) mesh)."""
@@ -63,8 +72,8 @@ def tensor_parallel_layout(inner: nn.Module, wrapper_meshes: tuple[Any, ...]) ->
         if mesh is None or placements is None:
             continue
         ranks.update(mesh.mesh.flatten().tolist())
-        here = [(_dim_name(mesh, d), p) for d, p in enumerate(placements)
-                if p.is_shard() and not _owned(mesh, d, wrapper_meshes)]  # fmt: skip
+        here = [(_dim_name(mesh, d), p) for d, p in enumerate(placements) if p.is_shard()
+                and not _owned(mesh, d, wrapper_meshes) and not _other_parallelism(_dim_name(mesh, d))]  # fmt: skip
         if here:
             dims.update(dim for dim, _ in here)
             sharded[name] = ", ".join(f"Shard({p.dim}) over {dim}" for dim, p in here)

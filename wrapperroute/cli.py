@@ -254,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    program = argv is None  # the process's own entry point (the console script, python -m wrapperroute)
     argv = list(sys.argv[1:] if argv is None else argv)
     # Launchers in module mode (deepspeed --module, torch.distributed.launch) put --local_rank=N first; the same
     # number is in the LOCAL_RANK environment variable, which is what torch reads.
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["audit"]:  # the script's own arguments follow: not for argparse
         from .audit import main as audit_main
 
-        return audit_main(argv[1:])
+        return audit_main(argv[1:], leave=program)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -79,17 +79,19 @@ def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None,
     found = detect(model)
     if group is not None:
         copies = group_ranks(group)
-        replicas = [Replica(n, p, copies) for n, p in found.inner.named_parameters() if p.requires_grad]
+        every = [Replica(n, p, copies) for n, p in found.inner.named_parameters() if p.requires_grad]
     elif found.adapter is None:  # every rank a copy, but for a DTensor's slices (tensor parallelism alone)
         world = group_ranks(None)
-        replicas = [Replica(n, p, dtensor_copies(p) or world) for n, p in found.inner.named_parameters()
-                    if p.requires_grad]  # fmt: skip
+        every = [Replica(n, p, dtensor_copies(p) or world, alone="sharded")
+                 for n, p in found.inner.named_parameters() if p.requires_grad]  # fmt: skip
     else:
-        replicas = [r for r in found.adapter.replicas(found.wrapper) if r.grads]  # type: ignore[arg-type]
+        every = found.adapter.replicas(found.wrapper)  # type: ignore[arg-type]
+    replicas = [r for r in every if r.compared and r.grads]
+    note = _not_compared(every, replicas)
     if not replicas:
-        why = ("no trainable parameter" if found.adapter is None
-               else f"{found.kind} shards every gradient: local shards differ by design")  # fmt: skip
-        return SyncReport(found.kind, 0, 0, 0.0, note=f"{why}, not compared")
+        why = "no trainable parameter" if not every else "no gradient with a copy on another rank"
+        said = f"{why}, nothing compared" + (f"; not compared: {note}" if note else "")
+        return SyncReport(found.kind, 0, 0, 0.0, note=said)
     rows = [Row(r.name, _local(_grad_or_zeros(r.param)), r.copies) for r in replicas]
     outcome = compare(rows, group)
     # NaN where a non-finite value stands beside another value: no finite difference says it
@@ -102,8 +104,20 @@ def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None,
         len(outcome.mismatches),
         max(finite, default=0.0),
         worst[:top],
+        note=f"not compared: {note}" if note else "",
         nonfinite=tuple(sorted(nonfinite)),
     )
+
+
+def _not_compared(every: list[Replica], compared: list[Replica]) -> str:
+    """What was not compared and why, by count: ``"4 sharded, 2 gradients partitioned"``."""
+    chosen = {id(r) for r in compared}
+    reasons: dict[str, int] = {}
+    for replica in every:
+        if id(replica) not in chosen:
+            why = replica.alone or "gradient partitioned (compared as a parameter by the audit)"
+            reasons[why] = reasons.get(why, 0) + 1
+    return ", ".join(f"{count} {why}" for why, count in sorted(reasons.items()))
 
 
 def _grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
@@ -129,11 +143,10 @@ def guard(model: nn.Module, on_error: Literal["raise", "warn"] = "raise") -> Ite
     if on_error not in ("raise", "warn"):
         raise RouteValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
     found = detect(model)
-    if found.kind not in ("ddp", "replicate") or found.wrapper is None:
+    adapter, ddp = found.adapter, found.wrapper
+    if adapter is None or ddp is None or not adapter.arms_in_forward:
         yield
         return
-    ddp = found.wrapper
-    syncs = _sync_flag(ddp, found.kind)
     state = {"armed": False, "checked": False}  # armed: forward ran since the last backward
 
     def on_forward(module: nn.Module, args: object, output: object) -> None:
@@ -148,7 +161,7 @@ def guard(model: nn.Module, on_error: Literal["raise", "warn"] = "raise") -> Ite
             return
         state["checked"] = True
         at_end_of_backward(reset)
-        if state["armed"] or not syncs():
+        if state["armed"] or not adapter.syncs_gradients(ddp):
             return
         message = (
             f"gradients of a {type(found.inner).__name__} under {found.kind!r} were computed without "
@@ -167,12 +180,3 @@ def guard(model: nn.Module, on_error: Literal["raise", "warn"] = "raise") -> Ite
     finally:
         for handle in handles:
             handle.remove()
-
-
-def _sync_flag(wrapper: nn.Module, kind: str) -> Callable[[], bool]:
-    """Whether this backward is meant to all-reduce (False under ``no_sync`` / ``set_requires_gradient_sync``)."""
-    if kind == "replicate":
-        from .adapters.replicate import requires_gradient_sync
-
-        return lambda: requires_gradient_sync(wrapper)
-    return lambda: bool(getattr(wrapper, "require_backward_grad_sync", True))

@@ -2,7 +2,8 @@
 ``model.module`` (the pattern that skips DDP's forward: every rank trains its own model); ``--loss routed``
 through ``model(...)``-equivalent routing; ``--module-from K``: routed, then from step K (0-based) through
 ``model.module``; ``--accum N`` accumulates N-1 micro-batches under ``no_sync()``.
-Prints one line per step with the loss, bit-exact (``float.hex``), for the numerics comparison."""
+``--nan`` makes a loss or a parameter NaN on some ranks. Prints one line per step with the loss, bit-exact
+(``float.hex``), for the numerics comparison."""
 
 from __future__ import annotations
 
@@ -30,14 +31,19 @@ def main() -> None:
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--module-from", type=int, default=None)
     parser.add_argument("--destroy", action="store_true", help="destroy the process group at the end")
-    parser.add_argument("--nan", choices=["none", "rank1", "every"], default="none",
-                        help="make the first step's loss NaN on rank 1, or on every rank")
+    parser.add_argument("--nan", choices=["none", "rank1", "every", "param"], default="none",
+                        help="make the first step's loss NaN on rank 1, or on every rank; param: write NaN into "
+                        "one of rank 1's parameters after wrapping (its loss and, through the all-reduce, every "
+                        "rank's gradients and parameters become NaN: alike everywhere after the first step)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     config = TinyConfig()
     inner = build_model(config)
     model = DistributedDataParallel(inner)
+    if args.nan == "param" and rank == 1:
+        with torch.no_grad():
+            inner.blocks[0].proj.weight[0, 0] = float("nan")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     generator = torch.Generator().manual_seed(100 + rank)
     for step in range(args.steps):

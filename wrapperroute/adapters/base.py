@@ -12,24 +12,25 @@ adapter (kind)     class facts                                  overrides
 =================  ===========================================  =============================================
 compile, peft      a Layer: peeled only                         claims, peel
 fabric             enters, not distributed                      claims, peel
-ddp                distributed, isolates                        marks_forward, in_forward, repair, describe,
+ddp                distributed, arms_in_forward, isolates       marks_forward, in_forward, repair, describe,
                                                                 around_loss (isolate), result_check
                                                                 (find_unused), concurrency_error, step_ranks,
-                                                                replicas
-replicate          distributed, isolates, enters_every_call     as ddp but in_forward and repair (the base
-                                                                class's), with recover, around_loss (hooks
-                                                                set aside) and meshes
+                                                                syncs_gradients, replicas, averaging
+replicate          distributed, arms_in_forward, isolates,      as ddp but in_forward and repair (the base
+                   enters_every_call                            class's), with recover, around_loss (hooks
+                                                                set aside), inner_wrappers and meshes
 fsdp1              distributed, shards, picks_units             redirect_target, marks_forward, describe,
                                                                 recover, nested_units, step_ranks, read_whole
-                                                                (warns)
+                                                                (warns), replicas (NO_SHARD), averaging
 fsdp2              distributed, shards, picks_units,            marks_forward, describe, recover, nested_units,
                    enters_every_call                            around_loss (hooks set aside), step_ranks,
-                                                                read_whole, replicas (HSDP), meshes
+                                                                read_whole, replicas, averaging, meshes
 replicate_fsdp     as fsdp2, not shards                         claims
 deepspeed          distributed, shards, picks_units,            marks_forward, describe, validate_gather,
-                   enters_every_call                            recover, prepare (the head registered), around_loss,
-                                                                concurrency_error, step_ranks, read_whole,
-                                                                replicas (ZeRO 0-2)
+                   enters_every_call                            recover, prepare (the head registered),
+                                                                around_loss, concurrency_error, step_ranks,
+                                                                read_whole, replicas (ZeRO 0-2, experts),
+                                                                averaging
 =================  ===========================================  =============================================
 
 The class facts are read once per model and decide ``route_loss``'s fast path; the methods are asked per call
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ._hooks import called_here
@@ -54,23 +56,33 @@ NOTHING = contextlib.nullcontext()  # reusable and re-entrant: the default ``aro
 
 @dataclass(frozen=True)
 class Replica:
-    """A tensor that other ranks hold copies of: what :meth:`Adapter.replicas` returns, and what every cross-rank
-    comparison (``check_grad_sync``, the audit) compares.
+    """A trainable parameter and the ranks holding a copy of it: what :meth:`Adapter.replicas` returns, and what
+    every cross-rank comparison (``check_grad_sync``, the audit, ``wrapperroute check``) compares.
 
     name
-        The parameter's name under the wrapper's inner module.
+        The parameter's name under the wrapper's inner module (the audit puts the wrapper's in front).
     param
         The parameter (a ``DTensor``'s local part is what is compared).
     copies
         The global ranks whose copy must equal this rank's, this rank included: the same tuple on each of them.
+        This rank alone: no copy to compare with (``alone`` says why).
     grads
         Whether its gradient is replicated too (not for DeepSpeed ZeRO 1-2, whose gradients are partitioned).
+    alone
+        Why no other rank holds a copy, when none does: ``"sharded"`` (each rank holds its part), ``"expert
+        group of one"``...; empty when copies exist.
     """
 
     name: str
     param: torch.Tensor
     copies: tuple[int, ...]
     grads: bool = True
+    alone: str = ""
+
+    @property
+    def compared(self) -> bool:
+        """Whether another rank holds a copy to compare with."""
+        return len(self.copies) > 1
 
 
 @dataclass(frozen=True)
@@ -132,8 +144,11 @@ class Adapter(Layer):
         True when the layer's forward arms gradient synchronisation or gathers parameters, i.e. when a loss
         must run *inside* its forward.
     shards
-        True when each rank holds a different part of the parameters and gradients by design (FSDP, ZeRO):
-        :func:`wrapperroute.check_grad_sync` then does not compare local gradients across ranks.
+        True when each rank holds a different part of the parameters and gradients by design (FSDP, ZeRO).
+    arms_in_forward
+        True when gradient synchronisation is armed by the wrapper's forward and a backward without it stays
+        local, silently (DDP's reducer, composable ``replicate``): what :func:`wrapperroute.guard` watches.
+        Sharded wrappers fail loudly instead.
     isolates
         True when ``around_loss(..., isolate=True)`` changes anything: the wrapper's forward sets DDP's forward
         marker, under which Dynamo applies DDP's graph optimizer (DDP, composable ``replicate``). Only then
@@ -152,6 +167,7 @@ class Adapter(Layer):
 
     distributed: ClassVar[bool] = True
     shards: ClassVar[bool] = False
+    arms_in_forward: ClassVar[bool] = False
     isolates: ClassVar[bool] = False
     picks_units: ClassVar[bool] = False
     enters_every_call: ClassVar[bool] = False
@@ -233,14 +249,35 @@ class Adapter(Layer):
         return None
 
     def replicas(self, wrapper: nn.Module) -> list[Replica]:
-        """The parameters this wrapper keeps replicated, each with the ranks holding its copies: what a desync
-        makes differ. The default: none (a wrapper that shards every parameter)."""
-        return []
+        """Every trainable parameter of the wrapper's model, each with the ranks holding a copy equal to this
+        rank's (what a desync makes differ), or this rank alone and why (sharded). Read from what each rank
+        trains: a parameter the wrapper leaves whole on every rank of its mesh must be equal there, whether the
+        wrapper synchronises it or not (an adapter added after ``fully_shard``). The default: every parameter
+        sharded."""
+        rank = dist.get_rank()
+        return [Replica(name, param, (rank,), alone="sharded")
+                for name, param in self.peel(wrapper).named_parameters() if param.requires_grad]  # fmt: skip
 
     def averaging(self, wrapper: nn.Module) -> Averaging | None:
         """Which ranks' gradients this wrapper reduces together, and what it divides them by (read from the
         wrapper's own state and the installed code); None when it cannot be told."""
         return None
+
+    def step_count(self, wrapper: nn.Module) -> int | None:
+        """The wrapper's own count of optimizer steps taken, where it steps a torch optimizer in parts (DeepSpeed's
+        ZeRO optimizer steps its inner one once per parameter group: MoE's dense and expert groups, the model
+        half updated in between); None where each torch optimizer step is a training step."""
+        return None
+
+    def syncs_gradients(self, wrapper: nn.Module) -> bool:
+        """Whether the next backward is meant to reduce gradients across ranks (False under ``no_sync()`` or
+        ``set_requires_gradient_sync(False)``). Default: always."""
+        return True
+
+    def inner_wrappers(self, wrapper: nn.Module) -> tuple[nn.Module, ...]:
+        """Wrapper objects this one keeps of its own over the same parameters (composable ``replicate``'s
+        ``DistributedDataParallel``): not wrappers of their own to a scan of the process. Default: none."""
+        return ()
 
     def meshes(self, wrapper: nn.Module) -> tuple[Any, ...]:
         """The device meshes this wrapper itself shards or replicates parameters over (FSDP2's, ``replicate``'s),

@@ -36,6 +36,7 @@ log = logging.getLogger("wrapperroute")
 class DDPAdapter(Adapter):
     kind = "ddp"
     distributed = True
+    arms_in_forward = True
     isolates = True
 
     def claims(self, module: nn.Module) -> bool:
@@ -87,6 +88,9 @@ class DDPAdapter(Adapter):
     def step_ranks(self, wrapper: nn.Module) -> tuple[int, ...] | None:
         return group_ranks(wrapper.process_group)
 
+    def syncs_gradients(self, wrapper: nn.Module) -> bool:
+        return bool(getattr(wrapper, "require_backward_grad_sync", True))  # False inside no_sync()
+
     def replicas(self, wrapper: nn.Module) -> list[Replica]:
         return replicated(self.peel(wrapper), group_ranks(wrapper.process_group))
 
@@ -110,9 +114,11 @@ def mean_over(ddp: DistributedDataParallel, group: Any) -> Averaging:
     return Averaging(ranks, group, float(len(ranks)), unread=unread)
 
 
-def replicated(module: nn.Module, copies: tuple[int, ...]) -> list[Replica]:
+def replicated(module: nn.Module, copies: tuple[int, ...], grads: bool = True) -> list[Replica]:
     """Every trainable parameter of ``module``, each a copy of the same parameter on the ranks ``copies``."""
-    return [Replica(name, param, copies) for name, param in module.named_parameters() if param.requires_grad]
+    alone = "" if len(copies) > 1 else "one rank in its group"
+    return [Replica(name, param, copies, grads, alone) for name, param in module.named_parameters()
+            if param.requires_grad]  # fmt: skip
 
 
 def _check_reachable(wrapper: nn.Module, result: Any) -> None:

@@ -66,12 +66,22 @@ class DeepSpeedAdapter(Adapter):
 
     def replicas(self, wrapper: nn.Module) -> list[Replica]:
         # ZeRO 0-2 keep every parameter whole on each rank of the data-parallel group (not the world: model
-        # parallelism through an mpu splits it); gradients live in the optimizer's partitions. ZeRO-3 partitions.
+        # parallelism through an mpu splits it); gradients live in the optimizer's partitions. An expert of a
+        # DeepSpeed MoE layer (allreduce False) is reduced over its own expert-data-parallel group (group_name):
+        # its copies are there. ZeRO-3 partitions.
         engine: DeepSpeedEngine = wrapper
         if _stage(engine) == 3:
-            return []
-        copies = group_ranks(getattr(engine, "data_parallel_group", None))
-        return [Replica(r.name, r.param, r.copies, grads=False) for r in replicated(engine.module, copies)]
+            return super().replicas(wrapper)
+        dense = group_ranks(getattr(engine, "data_parallel_group", None))
+        experts = getattr(engine, "expert_data_parallel_group", None) or {}
+        found = []
+        for replica in replicated(engine.module, dense, grads=False):
+            if getattr(replica.param, "allreduce", True) is False:
+                copies = group_ranks(experts[replica.param.group_name])  # type: ignore[attr-defined]
+                alone = "" if len(copies) > 1 else "expert group of one"
+                replica = Replica(replica.name, replica.param, copies, False, alone)
+            found.append(replica)
+        return found
 
     def averaging(self, wrapper: nn.Module) -> Averaging:
         # Read from the engine as its reduction uses it (runtime/engine.py, zero/stage_1_and_2.py, zero/stage3.py):
@@ -86,6 +96,9 @@ class DeepSpeedAdapter(Adapter):
         replicas = len(ranks) / float(getattr(engine, "sequence_parallel_size", 1) or 1)
         averages = _stage(engine) == 3 or bool(getattr(engine, "gradient_average", True))
         return Averaging(ranks, group, replicas if averages else 1.0, float(engine.gradient_accumulation_steps()))
+
+    def step_count(self, wrapper: nn.Module) -> int | None:
+        return int(getattr(wrapper, "global_steps", 0))  # counted after the inner optimizer's steps
 
     def marks_forward(self, wrapper: nn.Module) -> bool:
         # Only ZeRO-3 leaves a trace of a running forward: its prologue flags every module's parameter dict.

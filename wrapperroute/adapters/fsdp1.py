@@ -18,7 +18,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 from ._copies import group_ranks
 from ._units import units_for
-from .base import NOTHING, Adapter, Averaging
+from .base import NOTHING, Adapter, Averaging, Replica
+from .ddp import replicated
 
 _auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = weakref.WeakKeyDictionary()
 
@@ -78,6 +79,12 @@ class FSDP1Adapter(Adapter):
 
     def step_ranks(self, wrapper: nn.Module) -> tuple[int, ...] | None:
         return group_ranks(wrapper.process_group)
+
+    def replicas(self, wrapper: nn.Module) -> list[Replica]:
+        # NO_SHARD keeps every parameter whole on each rank of its group, as DDP; the other strategies shard.
+        if str(getattr(wrapper, "sharding_strategy", "")).endswith("NO_SHARD"):
+            return replicated(self.peel(wrapper), group_ranks(wrapper.process_group))
+        return super().replicas(wrapper)
 
     def averaging(self, wrapper: nn.Module) -> Averaging | None:
         # FSDP divides by its pre- and post-divide factors, which together make its data-parallel world size:

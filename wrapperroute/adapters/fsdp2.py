@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 try:  # exported here since torch 2.6
@@ -88,13 +89,7 @@ class FSDP2Adapter(Adapter):
         return units_for(wrapper, wrapper, gather, _is_unit, _auto_units)
 
     def meshes(self, wrapper: nn.Module) -> tuple[Any, ...]:
-        found: list[Any] = []
-        for unit in wrapper.modules():  # every unit's groups, known from fully_shard on (no forward needed)
-            if _is_unit(unit):
-                for group in _param_groups(unit._get_fsdp_state()):  # type: ignore[operator]
-                    if all(mesh is not group.mesh_info.mesh for mesh in found):
-                        found.append(group.mesh_info.mesh)
-        return tuple(found)
+        return _meshes(wrapper)
 
     def step_ranks(self, wrapper: nn.Module) -> tuple[int, ...] | None:
         # Every rank of the groups' mesh runs the step: HSDP's replicate x shard ranks, or a sub-mesh of the
@@ -133,13 +128,20 @@ class FSDP2Adapter(Adapter):
         return Averaging(ranks, mesh.get_group() if mesh.ndim == 1 else None, divides_by, unread=unread)
 
     def replicas(self, wrapper: nn.Module) -> list[Replica]:
-        # A parameter's local part is copied on the ranks of its mesh that share this rank's coordinates on the
-        # dimensions it is sharded over: HSDP's replicate dimension, replicate()'s whole mesh; none for FSDP.
+        # A DTensor's local part is copied on the ranks of its mesh that share this rank's coordinates on the
+        # dimensions it is sharded over: HSDP's replicate dimension, replicate()'s whole mesh, a tensor-parallel
+        # model's replicated parameters; none for FSDP's shards or an expert's. A plain parameter (an adapter
+        # added after fully_shard) is whole on every rank the model lives on: equal there, or a desync.
+        everywhere = _mesh_ranks(wrapper)
         found = []
         for name, param in wrapper.named_parameters():
+            if not param.requires_grad:
+                continue
             copies = dtensor_copies(param)
-            if copies is not None and len(copies) > 1 and param.requires_grad:
-                found.append(Replica(name, param, copies))
+            if copies is None:  # a plain tensor, whole on each rank
+                found.append(Replica(name, param, everywhere))
+            else:
+                found.append(Replica(name, param, copies, alone="" if len(copies) > 1 else "sharded"))
         return found
 
     @contextlib.contextmanager
@@ -186,6 +188,29 @@ def _divide_factor(group: Any, mesh_size: int) -> tuple[float, str]:
     if getattr(group, "reduce_scatter_reduce_op", None) is not None:  # torch before set_gradient_divide_factor
         unread = "a reduce-scatter op set by hand (set_reduce_scatter_divide_factor) cannot be read back"
     return float(mesh_size), unread
+
+
+def _meshes(wrapper: nn.Module) -> tuple[Any, ...]:
+    """The meshes of every unit's parameter groups, known from ``fully_shard`` on (no forward needed)."""
+    found: list[Any] = []
+    for unit in wrapper.modules():
+        if _is_unit(unit):
+            for group in _param_groups(unit._get_fsdp_state()):  # type: ignore[operator]
+                if all(mesh is not group.mesh_info.mesh for mesh in found):
+                    found.append(group.mesh_info.mesh)
+    return tuple(found)
+
+
+def _mesh_ranks(wrapper: nn.Module) -> tuple[int, ...]:
+    """Every rank the model lives on: its FSDP groups' meshes and its parameters' (a tensor-parallel mesh)."""
+    ranks: set[int] = set()
+    for mesh in _meshes(wrapper):
+        ranks.update(mesh.mesh.flatten().tolist())
+    for param in wrapper.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if mesh is not None:
+            ranks.update(mesh.mesh.flatten().tolist())
+    return tuple(sorted(ranks)) or (dist.get_rank(),)
 
 
 def _replicates(module: nn.Module) -> bool:

@@ -52,6 +52,7 @@ def _option(module: nn.Module, name: str, default: Any) -> Any:
 class ReplicateAdapter(Adapter):
     kind = "replicate"
     distributed = True
+    arms_in_forward = True
     enters_every_call = True
     isolates = True
 
@@ -96,6 +97,13 @@ class ReplicateAdapter(Adapter):
 
     def step_ranks(self, wrapper: nn.Module) -> tuple[int, ...] | None:
         return group_ranks(_process_group(wrapper))
+
+    def syncs_gradients(self, wrapper: nn.Module) -> bool:
+        return requires_gradient_sync(wrapper)
+
+    def inner_wrappers(self, wrapper: nn.Module) -> tuple[nn.Module, ...]:
+        ddp = _ddp_of(wrapper)
+        return (ddp,) if ddp is not None else ()
 
     def meshes(self, wrapper: nn.Module) -> tuple[Any, ...]:
         mesh = _given(wrapper).get("device_mesh")

@@ -11,6 +11,7 @@ group); two data-parallel groups in one job are compared each within itself. The
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from dataclasses import dataclass
 from typing import Any
@@ -20,20 +21,10 @@ from torch import nn
 
 from .. import crossrank
 from ..adapters import Adapter, registered
-from ..adapters.replicate import _ddp_of
+from ..adapters.base import Replica
 from ..crossrank import Exchange, Mismatch, Pending, Row
 
 _SEQ = "_wrapperroute_audit_seq"  # creation order of DDP wrappers, stamped by the audit (see session.py)
-
-
-@dataclass(frozen=True)
-class Replica:
-    """One tensor that other ranks hold copies of, named the same on every rank."""
-
-    key: str  # "<kind>[<index>].<parameter name>"
-    param: torch.Tensor
-    copies: tuple[int, ...]  # the global ranks holding a copy equal to this rank's
-    grads: bool  # whether the gradient is replicated too (not for DeepSpeed's partitioned gradients)
 
 
 def wrappers() -> list[tuple[Adapter, nn.Module]]:
@@ -49,8 +40,7 @@ def wrappers() -> list[tuple[Adapter, nn.Module]]:
                     found.append((adapter, obj))
                     break
     inner = {id(sub) for _, wrapper in found for sub in wrapper.modules() if sub is not wrapper}
-    # composable replicate() keeps a DistributedDataParallel of its own over the same parameters
-    inner |= {id(_ddp_of(wrapper)) for adapter, wrapper in found if adapter.kind == "replicate"}
+    inner |= {id(kept) for adapter, wrapper in found for kept in adapter.inner_wrappers(wrapper)}
     outer = [(adapter, wrapper) for adapter, wrapper in found if id(wrapper) not in inner]
 
     def order(item: tuple[Adapter, nn.Module]) -> tuple[Any, ...]:
@@ -61,19 +51,31 @@ def wrappers() -> list[tuple[Adapter, nn.Module]]:
     return sorted(outer, key=order)
 
 
-def replicas(known: list[tuple[Adapter, nn.Module]] | None = None) -> tuple[list[Replica], list[str]]:
-    """The replicated tensors of every wrapper (of ``known``, else of every wrapper alive), and the kinds of
-    wrappers found (sharded ones included)."""
+@dataclass(frozen=True)
+class Found:
+    """The replicas of every wrapper: those with copies to compare, and by why, the count of those without."""
+
+    replicas: list[Replica]
+    alone: dict[str, int]
+    kinds: list[str]
+
+
+def replicas(known: list[tuple[Adapter, nn.Module]] | None = None) -> Found:
+    """The trainable parameters of every wrapper (of ``known``, else of every wrapper alive), each named
+    ``<kind>[<index>].<name>``: those with a copy on another rank, and how many have none, by why."""
     found: list[Replica] = []
+    alone: dict[str, int] = {}
     kinds: list[str] = []
     counts: dict[str, int] = {}
     for adapter, wrapper in known if known is not None else wrappers():
         index = counts[adapter.kind] = counts.get(adapter.kind, -1) + 1
         kinds.append(adapter.kind)
         for replica in adapter.replicas(wrapper):
-            found.append(Replica(f"{adapter.kind}[{index}].{replica.name}", replica.param, replica.copies,
-                                 replica.grads))  # fmt: skip
-    return found, sorted(set(kinds))
+            if replica.compared:
+                found.append(dataclasses.replace(replica, name=f"{adapter.kind}[{index}].{replica.name}"))
+            else:
+                alone[replica.alone] = alone.get(replica.alone, 0) + 1
+    return Found(found, alone, sorted(set(kinds)))
 
 
 @dataclass(frozen=True)
@@ -124,10 +126,10 @@ def compare_later(
     rows: list[Row] = []
     for replica in found:
         if params or not replica.grads:
-            rows.append(Row(f"parameter {replica.key}", _local(replica.param), replica.copies))
+            rows.append(Row(f"parameter {replica.name}", _local(replica.param), replica.copies))
         if grads_of is not None and replica.grads and id(replica.param) in grads_of:
             grad = replica.param.grad
-            rows.append(Row(f"gradient {replica.key}", _local(grad) if grad is not None else None, replica.copies,
+            rows.append(Row(f"gradient {replica.name}", _local(grad) if grad is not None else None, replica.copies,
                             window))  # fmt: skip
     # two kinds of comparison alternate (gradients alone, gradients with parameters): each its own slot
     return Comparison(crossrank.compare_later(rows, side, exchange=exchange, slot=params))

@@ -29,16 +29,17 @@ def final_line(audit: Audit, script_failed: str | None = None) -> str:
     """The one line rank 0 prints at the end: DESYNC, in sync, FAILED (the audit's own error), or nothing
     audited, with what was seen."""
     checkpoints = audit.checkpoints
-    steps = sum(1 for c in checkpoints if c.label != "end")
+    steps = sum(1 for c in checkpoints if c.label.startswith("step"))
     wrappers = ", ".join(sorted(audit.kinds)) or "none"
     if audit.desync:
         first = next(c for c in checkpoints if c.differences)
         params = {d.key for c in checkpoints for d in c.differences}
         worst = max((d for c in checkpoints for d in c.differences), key=lambda d: (d.nonfinite > 0, d.max_abs_diff))
         how = "NaN or inf beside other values" if worst.nonfinite else f"{worst.max_abs_diff:.3g}"
+        where = first.label if first.label.startswith("before") else f"at {first.label}"
         line = (
-            f"wrapperroute audit: DESYNC ({steps} step(s) audited; {len(params)} parameter(s) differing, first at "
-            f"{first.label}; worst {how} in {worst.key} ({worst.what}); wrappers: {wrappers})"
+            f"wrapperroute audit: DESYNC ({steps} step(s) audited; {len(params)} parameter(s) differing, first "
+            f"{where}; worst {how} in {worst.key} ({worst.what}); wrappers: {wrappers}{_alone(audit)})"
         )
     elif audit.failure is not None:
         line = (
@@ -49,7 +50,7 @@ def final_line(audit: Audit, script_failed: str | None = None) -> str:
         compared = max(c.compared for c in checkpoints)
         line = (
             f"wrapperroute audit: in sync ({steps} step(s) audited, up to {compared} tensors compared per step, "
-            f"0 parameters differing, worst 0; wrappers: {wrappers})"
+            f"0 parameters differing, worst 0; wrappers: {wrappers}{_alone(audit)})"
         )
     else:
         line = f"wrapperroute audit: nothing audited ({_why_nothing(audit)})"
@@ -68,6 +69,13 @@ def final_line(audit: Audit, script_failed: str | None = None) -> str:
     return line + (f"; the script failed: {script_failed}" if script_failed else "")
 
 
+def _alone(audit: Audit) -> str:
+    """The trainable parameters not compared, by why: ``"; not compared: 12 sharded"``."""
+    if not audit.alone:
+        return ""
+    return "; not compared: " + ", ".join(f"{count} {why}" for why, count in sorted(audit.alone.items()))
+
+
 def _why_nothing(audit: Audit) -> str:
     if not audit.optimizers_seen:
         return "no optimizer step ran"
@@ -75,7 +83,10 @@ def _why_nothing(audit: Audit) -> str:
         return "torch.distributed ran no more than one rank while optimizers stepped"
     found = ", ".join(sorted(audit.kinds))
     if found:
-        return f"the distributed wrappers found ({found}) shard every parameter: no replicas to compare"
+        alone = sum(audit.alone.values())
+        return (f"no trainable parameter of the distributed wrappers found ({found}) has a copy on another rank"
+                f"{_alone(audit).replace('; not compared:', ':')}" if alone else
+                f"the distributed wrappers found ({found}) hold no trainable parameter")  # fmt: skip
     return (
         "optimizers stepped on several ranks, but no distributed wrapper holds their parameters: each rank "
         "may be training its own copy"
@@ -103,6 +114,7 @@ def report(audit: Audit, final: str, exit_status: int) -> dict[str, Any]:
         "final_line": final,
         "exit_status": exit_status,
         "wrappers": sorted(audit.kinds),
+        "not_compared": dict(sorted(audit.alone.items())),
         "audit_failure": audit.failure,
         "checkpoints": [
             {

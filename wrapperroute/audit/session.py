@@ -76,6 +76,8 @@ class Audit:
         self.json_path = json_path
         self.checkpoints: list[Checkpoint] = []
         self.kinds: set[str] = set()
+        self.alone: dict[str, int] = {}  # trainable parameters with no copy on another rank, by why (last scan)
+        self._compared_at_start = False  # the parameters compared once before the run's first optimizer step
         self.finished = False
         self.end_missed = False  # the last comparison found no wrapper alive to compare
         self.stepped = False  # some optimizer stepped while several ranks ran
@@ -93,6 +95,10 @@ class Audit:
         # The wrappers found by the last scan of the process's objects (weakly: the audit keeps no model alive).
         # Scanned again for an optimizer not seen before, or when one of them is gone.
         self._wrappers: list[tuple[Adapter, weakref.ref[nn.Module]]] | None = None
+        # optimizer -> the wrappers' own step counts at its last step (see _same_training_step)
+        self._step_counts: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int | None, ...]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._undo: list[Any] = []
 
     # --- installing -------------------------------------------------------------------------------------
@@ -136,6 +142,7 @@ class Audit:
         self._optimizers_in_run = 0
         self._exchange = crossrank.Exchange()
         self._wrappers = None
+        self._compared_at_start = False
         if self._group is not None:
             self._group = _Destroyed()
 
@@ -152,6 +159,8 @@ class Audit:
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         with self._guarded():
             self._finish_pending(id(optimizer))  # a step that raised never reached _after_step
+            if self._same_training_step(optimizer):
+                return  # a wrapper stepping this optimizer again within one of its steps (DeepSpeed's groups)
             known = self._optimizers.get(optimizer)
             if known is None:
                 known = (self._optimizers_in_run, 0)
@@ -170,9 +179,28 @@ class Audit:
             params = not every or seen % PARAMS_EVERY == 0
             window = (seen % PARAMS_EVERY, PARAMS_EVERY) if every else None
             found = self._replicas(rescan=seen == 0)
+            if found and not self._compared_at_start:
+                # Once, before anything steps: a replica that starts different is a desync even if the run later
+                # makes every copy alike (a NaN spread by the all-reduce), which a comparison read after the
+                # step would miss. Read whole now, not after the step as the deferred comparisons are.
+                self._compared_at_start = True
+                self._record(f"before {label}", compare(found, self._side_group(), None, True, self._exchange))
             if found:  # the signatures exchanged while the optimizer steps; the verdict after it
                 comparison = compare_later(found, self._side_group(), ids, params, self._exchange, window)
                 self._pending[id(optimizer)] = (label, comparison)
+
+    def _same_training_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether this call of ``optimizer.step`` belongs to the training step its last call began: a wrapper
+        that steps it in parts (``Adapter.step_count``) has not counted a step since. The model is then half
+        updated, and no comparison may read it."""
+        if not self._running() or self.finished:
+            return False
+        counts = tuple(adapter.step_count(wrapper) for adapter, wrapper in self._known(rescan=False))
+        if all(count is None for count in counts):
+            return False
+        again = self._step_counts.get(optimizer) == counts
+        self._step_counts[optimizer] = counts
+        return again
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         with self._guarded():
@@ -229,9 +257,10 @@ class Audit:
     def _replicas(self, rescan: bool) -> list[Any]:
         # Every rank decides to rescan at the same points (same optimizers, same steps), so the wrapper lists,
         # and with them the keys compared, stay the same on every rank.
-        found, kinds = replicas(self._known(rescan))
-        self.kinds.update(kinds)
-        return found
+        found = replicas(self._known(rescan))
+        self.kinds.update(found.kinds)
+        self.alone = found.alone
+        return found.replicas
 
     def _record(self, label: str, finding: Finding) -> None:
         checkpoint = Checkpoint(label, finding.compared, finding.differences, finding.nonfinite)
