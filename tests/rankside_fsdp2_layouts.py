@@ -38,3 +38,30 @@ def agree_on_sub_meshes() -> dict[str, Any]:
         outcome["raised"] = f"{type(error).__name__}: {error}"
     dist.barrier()  # the pool's own group: every rank is back in step
     return outcome
+
+
+def experts_over_ep() -> None:
+    """Experts sharded over a mesh dimension named ``ep``, replicated over ``dp``, the dense layers FSDP2-sharded
+    over ``dp``: the ep dimension is not reported as tensor parallelism, and the experts' copies are the ranks
+    sharing this rank's ep coordinate."""
+    import sys
+
+    from conftest import REPO
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from wrapperroute import detect
+    from wrapperroute.adapters.fsdp2 import FSDP2Adapter
+
+    sys.path.insert(0, str(REPO / "tests" / "audit_scripts"))
+    import experts
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    model = experts.ExpertModel(mesh)
+    fully_shard(model, mesh=mesh["dp"], ignored_params={model.experts})
+    found = detect(model)
+    assert found.kind == "fsdp2" and found.tensor_parallel is None, found.tensor_parallel
+    copies = {r.name: r.copies for r in FSDP2Adapter().replicas(model)}
+    ep = mesh.get_local_rank("ep")
+    assert copies["experts"] == (ep, 2 + ep), copies  # the dp replicas of this rank's experts
+    assert copies["dense.weight"] == (dist.get_rank(),), copies  # sharded over dp

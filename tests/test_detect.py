@@ -108,3 +108,12 @@ def test_autocast_kept_from_an_instance_forward() -> None:
     plain = nn.Linear(4, 4)
     plain.forward = types.MethodType(type(plain).forward, plain)  # an instance forward with nothing around it
     assert kept_forward_context(plain, plain.forward) is None
+
+
+def test_expert_and_context_dimensions_are_not_tensor_parallel() -> None:
+    """Mesh dimensions named as torchtitan and transformers name expert and context parallelism: their ranks hold
+    other experts or other parts of a sequence, not slices of one layer."""
+    from wrapperroute._tensor_parallel import _other_parallelism
+
+    assert all(_other_parallelism(name) for name in ("ep", "cp", "dp_shard_mod_ep", "dp_shard_in_ep", "experts"))
+    assert not any(_other_parallelism(name) for name in ("tp", "dp", "dp_shard", "dp_replicate", "etp", "fsdp"))

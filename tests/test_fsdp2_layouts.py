@@ -79,3 +79,7 @@ def test_global_token_mean_over_two_dimensions(pool4: RankPool, layout: str) -> 
     _assert_exact(pool4.run(run_cell, Cell(layout, "backbone_ce", accum=2, steps=2)))
     for rank in pool4.run(run_cell, Cell(layout, "backbone_ce", accum=2, normalise="rank_mean")):
         assert rank.error is None and rank.max_ref_diff > 1e-3, rank  # the same batches, each rank's own mean
+
+
+def test_experts_over_an_ep_dimension(pool4: RankPool) -> None:
+    pool4.run(rankside_fsdp2_layouts.experts_over_ep)
