@@ -7,9 +7,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wrapperroute.adapters.base import Replica
-from wrapperroute.audit.replicas import compare
-from wrapperroute.crossrank import Exchange
+from wrapperroute.adapters import Replica
+from wrapperroute.crossrank import Exchange, Outcome, compare_later, replica_rows
+
+
+def compare(replicas: list[Replica], side: Any, grads_of: set[int], params: bool, exchange: Exchange | None = None,
+            window: tuple[int, int] | None = None) -> Outcome:  # fmt: skip
+    """What the audit does for one comparison: the replicas' rows, compared on ``side``."""
+    rows = replica_rows(replicas, params=params, grads_of=grads_of, window=window)
+    return compare_later(rows, side, exchange=exchange, slot=params).result()
 
 
 def compare_replicas(differ_at: str | None, extra_on_rank: int | None) -> dict[str, Any]:
@@ -29,7 +35,7 @@ def compare_replicas(differ_at: str | None, extra_on_rank: int | None) -> dict[s
     finding = compare(found, side, {id(p) for p in params.values()}, params=True)
     dist.destroy_process_group(side)
     return {"compared": finding.compared,
-            "differences": [(d.key, d.what, d.max_abs_diff) for d in finding.differences]}  # fmt: skip
+            "differences": [(d.name, d.what, d.max_abs_diff) for d in finding.mismatches]}  # fmt: skip
 
 
 def collectives_per_comparison(rounds: int) -> dict[str, Any]:
@@ -61,7 +67,7 @@ def collectives_per_comparison(rounds: int) -> dict[str, Any]:
             before = counted["calls"]
             finding = compare(replicas, side, {id(p) for p in params.values()}, params=False, exchange=exchange)
             calls.append(counted["calls"] - before)
-            found.append(len(finding.differences))
+            found.append(len(finding.mismatches))
     finally:
         dist.all_gather, dist.all_gather_object = gather, gather_object  # type: ignore[assignment]
         dist.destroy_process_group(side)
@@ -82,7 +88,7 @@ def compare_in_windows(position: int) -> dict[str, Any]:
     found = {}
     for window in [*((part, 8) for part in range(8)), None]:
         finding = compare(replica, side, {id(param)}, params=False, window=window)
-        found[str(window)] = [(d.what, d.max_abs_diff) for d in finding.differences]
+        found[str(window)] = [(d.what, d.max_abs_diff) for d in finding.mismatches]
     dist.destroy_process_group(side)
     return found
 

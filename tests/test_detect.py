@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from wrapperroute import RouteTypeError, detect
-from wrapperroute._kept import kept_forward_context
+from wrapperroute._routing.kept import kept_forward_context
 from wrapperroute.check.models import TinyConfig, build_model
 
 

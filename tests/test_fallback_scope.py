@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import wrapperroute as wr
-from wrapperroute._state import forget_isolated, routing_state
+from wrapperroute._routing.state import forget_isolated, routing_state
 
 
 def _failing_once(model: nn.Module, calls: list[int]) -> object:

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import wrapperroute as wr
-from wrapperroute._state import routing_state
+from wrapperroute._routing.state import routing_state
 
 _MISSING = object()
 CASES = ["ddp", "ddp-find_unused", "ddp-isolate", "ddp-loss_calls_wrapper", "ddp-instance_forward", "fsdp1", "fsdp2"]

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import wrapperroute as wr
-from wrapperroute._fallback import _fallback_key, _is_graph_optimizer_failure
-from wrapperroute._swap import _Call, _swap_for
+from wrapperroute._routing.run import _is_graph_optimizer_failure, fallback_key
+from wrapperroute._routing.swap import Call, swap_for
 from wrapperroute.check.models import TinyConfig, build_model
 
 
@@ -67,7 +67,7 @@ def test_call_survives_ddp_input_handling() -> None:
     from wrapperroute.adapters.ddp import DDPAdapter
 
     module = nn.Linear(1, 1)
-    call = _Call(module, module, module, _swap_for(module), DDPAdapter(), print, (), {}, None, None, "auto")
+    call = Call(module, module, module, swap_for(module), DDPAdapter(), print, (), {}, None, None, "auto")
     moved_args, moved_kwargs = _to_kwargs((call,), {}, torch.device("cpu"), False)
     assert moved_args[0][0] is call and moved_kwargs[0] == {}
     cast_args, _ = _cast_forward_inputs(torch.bfloat16, call)
@@ -78,10 +78,10 @@ def test_fallback_key_is_stable_across_closures() -> None:
     def make() -> object:
         return lambda: 1
 
-    assert _fallback_key(make()) == _fallback_key(make())
+    assert fallback_key(make()) == fallback_key(make())
     import functools
 
-    assert _fallback_key(functools.partial(make)) == _fallback_key(make)
+    assert fallback_key(functools.partial(make)) == fallback_key(make)
 
 
 def test_graph_optimizer_failure_is_recognised_through_the_chain() -> None:

@@ -1,13 +1,16 @@
-"""Process groups of our own beside the script's, and the one byte exchange every cross-rank comparison uses.
+"""Ranks and process groups: which global ranks a group holds, which ranks hold a copy of a ``DTensor``'s local
+part, where a group's collectives need their tensors, and process groups of our own beside the script's.
 
+- **Copies**: a process group's ranks, or the ranks of a device mesh that share this rank's coordinates on every
+  dimension a ``DTensor`` is sharded over (HSDP's replicate dimension, a tensor-parallel mesh's replicated
+  parameters): what the adapters' ``replicas`` and ``averaging`` name.
 - **Side groups** live as long as the default process group they were made from: destroyed and initialised
   again (a notebook re-running its set-up, a sweep of runs in one process), they are made again.
-- **Nothing undeclared**: payloads travel as bytes in a ``uint8`` tensor, never through ``all_gather_object``
-  (it needs numpy, which torch does not depend on).
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -15,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_bytes", "collective_device", "side_group", "tensor_bytes"]
+__all__ = ["collective_device", "dtensor_copies", "group_ranks", "made_side_group", "side_group"]
 
 
 _side_groups: dict[tuple[tuple[int, ...] | None, str | None], Any] = {}
@@ -44,6 +47,14 @@ def side_group(ranks: Sequence[int] | None = None, backend: str | None = None) -
     return group
 
 
+def made_side_group(ranks: Sequence[int] | None = None, backend: str | None = None) -> Any:
+    """The side group :func:`side_group` made for these arguments under the current default group, or None when
+    none was made (asking makes nothing: making one is a collective)."""
+    if _made_under is None or _made_under() is not dist.group.WORLD:
+        return None
+    return _side_groups.get((None if ranks is None else tuple(ranks), backend))
+
+
 def collective_device(group: Any = None) -> torch.device:
     """Where a tensor for ``group``'s collectives must live: the CPU when the group has a CPU backend (gloo,
     torch's default ``cpu:gloo,cuda:nccl``), else the current accelerator (``cuda:nccl``)."""
@@ -57,29 +68,36 @@ def collective_device(group: Any = None) -> torch.device:
     return torch.device(kind, current()) if callable(current) else torch.device(kind)
 
 
-def all_gather_bytes(payload: bytes, group: Any, device: torch.device, sizes: list[int] | None = None) -> list[bytes]:
-    """Every rank's ``payload``, in rank order (``sizes``: every rank's payload length, when known already;
-    else one more collective learns them)."""
-    world = dist.get_world_size(group)
-    if sizes is None:
-        mine = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-        lengths = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(lengths, mine, group=group)
-        sizes = [int(length.item()) for length in lengths]
-    longest = max(sizes, default=0)
-    sent = torch.zeros(longest, dtype=torch.uint8)
-    if payload:
-        sent[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    sent = sent.to(device)
-    received = [torch.empty_like(sent) for _ in range(world)]
-    dist.all_gather(received, sent, group=group)
-    return [tensor_bytes(tensor[:size]) for tensor, size in zip(received, sizes, strict=True)]
+def group_ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks of ``group`` (None: the default group, every rank): the ranks that run a wrapper's step
+    together, and each holds a copy of what a replicating wrapper holds on this rank."""
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
 
 
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """``tensor``'s raw bytes: its dtype and every bit kept."""
-    tensor = tensor.cpu().contiguous().clone()  # its own storage, exactly its bytes
-    try:
-        return bytes(tensor.untyped_storage())
-    except TypeError:  # a torch whose storages export no buffer: the same bytes, read as uint8
-        return bytes(tensor.reshape(-1).view(torch.uint8).tolist())
+def dtensor_copies(tensor: Any) -> tuple[int, ...] | None:
+    """For a ``DTensor``, the global ranks whose local part equals this rank's (this rank included); None for a
+    plain tensor, or when this rank is not on its mesh."""
+    mesh = getattr(tensor, "device_mesh", None)
+    placements = getattr(tensor, "placements", None)
+    if mesh is None or placements is None:
+        return None
+    grid = mesh.mesh
+    return _mesh_copies(tuple(grid.shape), tuple(grid.flatten().tolist()), tuple(placements), dist.get_rank())
+
+
+# Keyed by the mesh's layout, not the mesh: a cache must not keep meshes (and their process groups) alive.
+@functools.lru_cache(maxsize=256)
+def _mesh_copies(
+    shape: tuple[int, ...], ranks: tuple[int, ...], placements: tuple[Any, ...], rank: int
+) -> tuple[int, ...] | None:
+    grid = torch.tensor(ranks, dtype=torch.long).reshape(shape)
+    found = (grid == rank).nonzero()
+    if not len(found):
+        return None  # this rank is not on the mesh
+    if any(placement.is_partial() for placement in placements):
+        return (rank,)  # pending a reduction: no two ranks hold the same value yet
+    coordinate = found[0].tolist()
+    index = tuple(coordinate[dim] if placement.is_shard() else slice(None) for dim, placement in enumerate(placements))
+    return tuple(sorted(grid[index].flatten().tolist()))

@@ -13,8 +13,8 @@ from typing import Any
 
 from torch import nn
 
-from .adapters._copies import group_ranks
-from .adapters._units import output_embedding
+from ._groups import group_ranks
+from .adapters import output_embedding
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ go through here.
 - **Non-finite values are values**: NaN beside a number differs; NaN beside NaN, and an infinity beside the
   same infinity, do not, but such tensors are reported as non-finite.
 - **Nothing undeclared**: no ``all_gather_object`` (it needs numpy, which torch does not depend on); rows travel
-  as JSON in a byte tensor.
+  as JSON in a byte tensor, suspects as their raw bytes (``all_gather_bytes``).
 - **Over groups of our own** where the caller asks (``_groups.side_group``, shared with ``agree=True``'s flag
   exchange), made again when the default group is.
 """
@@ -24,13 +24,16 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from ._groups import all_gather_bytes, collective_device, tensor_bytes
+from ._groups import collective_device
 from ._torch_internals import foreach_norm
+
+if TYPE_CHECKING:
+    from .adapters.base import Replica
 
 __all__ = [
     "Exchange",
@@ -40,6 +43,9 @@ __all__ = [
     "Row",
     "compare",
     "compare_later",
+    "local_part",
+    "replica_rows",
+    "what_of",
 ]
 
 
@@ -58,6 +64,42 @@ class Row:
     tensor: torch.Tensor | None
     copies: tuple[int, ...]
     window: tuple[int, int] | None = None
+
+
+_WHAT = ("gradient", "parameter")
+
+
+def replica_rows(
+    replicas: Sequence[Replica], *, params: bool = True, grads_of: set[int] | None = None,
+    window: tuple[int, int] | None = None,
+) -> list[Row]:  # fmt: skip
+    """The rows that compare replicas: ``"parameter <name>"`` for each (when ``params``, and always for one whose
+    gradient is not replicated), ``"gradient <name>"`` for each whose parameter's ``id`` is in ``grads_of`` (a
+    gradient that is None is absent on this rank); ``window``: the part of each large gradient its signature reads.
+    A replica no other rank holds a copy of is not compared."""
+    rows: list[Row] = []
+    for replica in replicas:
+        if not replica.compared:
+            continue
+        if params or not replica.grads:
+            rows.append(Row(f"parameter {replica.name}", local_part(replica.param), replica.copies))
+        if grads_of is not None and replica.grads and id(replica.param) in grads_of:
+            grad = replica.param.grad
+            rows.append(Row(f"gradient {replica.name}", local_part(grad) if grad is not None else None, replica.copies,
+                            window))  # fmt: skip
+    return rows
+
+
+def what_of(key: str) -> tuple[str, str]:
+    """``(what, name)`` of a row's key: ``("gradient", "ddp[0].w")`` for ``"gradient ddp[0].w"``."""
+    head, _, rest = key.partition(" ")
+    return (head, rest) if head in _WHAT and rest else ("tensor", key)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """A ``DTensor``'s local part; any other tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 # Tensors smaller than this are always signed whole: a window saves nothing there.
@@ -197,6 +239,16 @@ class Mismatch:
     key: str
     max_abs_diff: float
     nonfinite: int = 0
+
+    @property
+    def what(self) -> str:
+        """``"gradient"`` or ``"parameter"`` for a replica's row (see :func:`replica_rows`), else ``"tensor"``."""
+        return what_of(self.key)[0]
+
+    @property
+    def name(self) -> str:
+        """The tensor's name, without what it is."""
+        return what_of(self.key)[1]
 
     def describe(self) -> str:
         """The difference as a table shows it."""
@@ -365,3 +417,34 @@ def compare(rows: Sequence[Row], group: Any = None, *, whole: bool = False) -> O
     which must hold every rank named; every rank calls it). ``whole``: every tensor sent whole, not only those
     whose signatures differ."""
     return compare_later(rows, group, whole=whole).result()
+
+
+# --- the byte exchange ---------------------------------------------------------------------------------------
+
+
+def all_gather_bytes(payload: bytes, group: Any, device: torch.device, sizes: list[int] | None = None) -> list[bytes]:
+    """Every rank's ``payload``, in rank order (``sizes``: every rank's payload length, when known already;
+    else one more collective learns them)."""
+    world = dist.get_world_size(group)
+    if sizes is None:
+        mine = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+        lengths = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(lengths, mine, group=group)
+        sizes = [int(length.item()) for length in lengths]
+    longest = max(sizes, default=0)
+    sent = torch.zeros(longest, dtype=torch.uint8)
+    if payload:
+        sent[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    sent = sent.to(device)
+    received = [torch.empty_like(sent) for _ in range(world)]
+    dist.all_gather(received, sent, group=group)
+    return [tensor_bytes(tensor[:size]) for tensor, size in zip(received, sizes, strict=True)]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """``tensor``'s raw bytes: its dtype and every bit kept."""
+    tensor = tensor.cpu().contiguous().clone()  # its own storage, exactly its bytes
+    try:
+        return bytes(tensor.untyped_storage())
+    except TypeError:  # a torch whose storages export no buffer: the same bytes, read as uint8
+        return bytes(tensor.reshape(-1).view(torch.uint8).tolist())

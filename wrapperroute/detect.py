@@ -9,7 +9,6 @@ from typing import Any
 from torch import nn
 
 from ._tensor_parallel import TensorParallel, tensor_parallel_layout
-from ._torch_internals import COMPOSABLE_REGISTRY_KEY
 from .adapters import Adapter, Layer, registered
 from .errors import RouteTypeError
 
@@ -135,15 +134,3 @@ def detect(model: nn.Module) -> Detection:
     details = wrapper_adapter.describe(wrapper)
     return Detection(wrapper_adapter.kind, tuple(peeled), wrapper, module, details, wrapper_adapter, entry,
                      entry_adapter)  # fmt: skip
-
-
-def unrouted_state(module: nn.Module) -> list[str]:
-    """Modules below ``module`` (itself included) carrying torch composable distributed state that no adapter
-    claims, as ``"path (Class): api, ..."``. Activation checkpointing (``checkpoint``) is not distributed."""
-    adapters = registered()
-    found: list[str] = []
-    for name, sub in module.named_modules():
-        apis = [api for api in getattr(sub, COMPOSABLE_REGISTRY_KEY, None) or () if api != "checkpoint"]
-        if apis and not any(adapter.claims(sub) for adapter in adapters):
-            found.append(f"{name or '<root>'} ({type(sub).__name__}): {', '.join(apis)}")
-    return found

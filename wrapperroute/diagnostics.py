@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._groups import dtensor_copies, group_ranks
 from ._torch_internals import at_end_of_backward
-from .adapters._copies import dtensor_copies, group_ranks
 from .adapters.base import Replica
-from .crossrank import Row, compare
+from .crossrank import Row, compare, local_part
 from .detect import detect
 from .errors import GradSyncError, RouteStateError, RouteValueError
 
@@ -92,7 +92,7 @@ def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None,
         why = "no trainable parameter" if not every else "no gradient with a copy on another rank"
         said = f"{why}, nothing compared" + (f"; not compared: {note}" if note else "")
         return SyncReport(found.kind, 0, 0, 0.0, note=said)
-    rows = [Row(r.name, _local(_grad_or_zeros(r.param)), r.copies) for r in replicas]
+    rows = [Row(r.name, local_part(_grad_or_zeros(r.param)), r.copies) for r in replicas]
     outcome = compare(rows, group)
     # NaN where a non-finite value stands beside another value: no finite difference says it
     worst = tuple((m.key, math.nan if m.nonfinite else m.max_abs_diff) for m in outcome.mismatches)
@@ -122,12 +122,6 @@ def _not_compared(every: list[Replica], compared: list[Replica]) -> str:
 
 def _grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
     return param.grad.detach() if param.grad is not None else torch.zeros_like(param)
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local part; any other tensor as it is."""
-    to_local = getattr(grad, "to_local", None)
-    return to_local() if callable(to_local) else grad
 
 
 @contextmanager

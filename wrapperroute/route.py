@@ -1,11 +1,12 @@
 """``route_loss``: run a loss inside the distributed wrapper's forward.
 
-In DDP's shape: *resolve* (``_plan.py``: the arguments checked, the wrapper found, or None: call ``fn``
-plainly), *enter* (``_swap.py``: for the length of one call, the module the wrapper's forward calls gets an
-instance ``forward`` that runs the loss, and the wrapper is called with the call as its one argument, so it
-does everything it does in a real forward around the loss: arms DDP's reducer, unshards FSDP units, gathers
-ZeRO-3 parameters), *retry isolated* (``_fallback.py``: the functorch fallback); ``agree`` exchanges one flag
-after it (``_faults.py``, which also returns the wrapper to its between-steps state after a failure).
+In DDP's shape: *plan* (``_routing/plan.py``: the arguments checked, the wrapper found, or None: call ``fn``
+plainly), *run* (``_routing/run.py``: enter the wrapper, whose forward runs the loss through the forward swap of
+``_routing/swap.py``: for the length of one call, the module the wrapper's forward calls gets an instance
+``forward`` that runs the loss, and the wrapper is called with the call as its one argument, so it does
+everything it does in a real forward around the loss: arms DDP's reducer, unshards FSDP units, gathers ZeRO-3
+parameters; after a fault, the wrapper back to its between-steps state and, where DDP's graph optimizer failed,
+the loss once more isolated from it); ``agree`` exchanges one flag after it (``run.py`` too).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ._fallback import _run
-from ._faults import _agree
-from ._plan import MODES, Mode, resolve
+from ._routing.plan import MODES, Mode, resolve
+from ._routing.run import agree as _agree
+from ._routing.run import run as _run
 
 T = TypeVar("T")
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._groups import collective_device, side_group
-from ._unrouted import enclosing_wrapper
+from ._routing.unrouted import enclosing_wrapper
 from .adapters.base import Averaging
 from .detect import detect
 from .errors import RouteValueError, UnroutedModelWarning

@@ -8,6 +8,7 @@ import argparse
 import os
 import tempfile
 
+import torch
 import torch.nn.functional as F
 
 
@@ -31,12 +32,14 @@ def main() -> None:
 
     from wrapperroute.check import trl_cells
 
-    state = PartialState()  # the process group, from the launcher's environment
-    if state.is_main_process and not os.listdir(args.folder):
+    PartialState()  # the process group, from the launcher's environment
+    # On CPU ranks accelerate's state says DistributedType.NO and every rank is its "main process", with a
+    # wait_for_everyone() that waits for nobody: rank 0 saves, every rank waits at the group's own barrier.
+    if torch.distributed.get_rank() == 0 and not os.listdir(args.folder):
         vocab, hidden = (64, 16) if args.trainer == "hf" else (trl_cells.LIGER_VOCAB, trl_cells.LIGER_HIDDEN)
         trl_cells.tiny_llama(vocab, hidden).save_pretrained(args.folder)
         trl_cells.tokenizer().save_pretrained(args.folder)
-    state.wait_for_everyone()
+    torch.distributed.barrier()
     model = AutoModelForCausalLM.from_pretrained(args.folder)
     with tempfile.TemporaryDirectory() as out:
         if args.trainer == "hf":

@@ -21,7 +21,7 @@ def long_run(wrapper: str, opts: dict[str, Any], steps: int, warmup: int) -> dic
 
     import psutil
 
-    from wrapperroute._state import routing_state
+    from wrapperroute._routing.state import routing_state
 
     wrapped = WRAPPERS[wrapper].build(build_model(CONFIG), dict(opts))
     case = LOSSES["fused_ce"]
@@ -60,7 +60,7 @@ def released(wrapper: str, opts: dict[str, Any], routed: bool) -> dict[str, Any]
     import gc
     import weakref
 
-    from wrapperroute._state import routing_state
+    from wrapperroute._routing.state import routing_state
 
     def run() -> tuple[weakref.ref[nn.Module], weakref.ref[nn.Module]]:
         wrapped = WRAPPERS[wrapper].build(build_model(CONFIG), dict(opts))

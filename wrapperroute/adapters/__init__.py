@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from .base import Adapter, Layer
+from ._hooks import modules_being_called
+from ._units import output_embedding
+from .base import Adapter, Averaging, Layer, Replica
 from .compile import CompileLayer
 from .ddp import DDPAdapter
 from .fsdp1 import FSDP1Adapter
@@ -45,4 +47,4 @@ def registered() -> tuple[Layer, ...]:
     return _CORE + tuple(_loaded_optional.values())
 
 
-__all__ = ["Adapter", "Layer", "registered"]
+__all__ = ["Adapter", "Averaging", "Layer", "Replica", "modules_being_called", "output_embedding", "registered"]

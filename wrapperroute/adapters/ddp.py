@@ -26,8 +26,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
+from .._groups import group_ranks
 from ..errors import RouteValueError
-from ._copies import group_ranks
 from .base import NOTHING, Adapter, Averaging, Replica
 
 log = logging.getLogger("wrapperroute")

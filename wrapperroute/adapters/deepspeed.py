@@ -34,8 +34,8 @@ from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import nn
 
+from .._groups import group_ranks
 from ..errors import RouteValueError
-from ._copies import group_ranks
 from ._hooks import hooks_set_aside, put_hooks_back
 from ._units import output_embedding
 from .base import NOTHING, Adapter, Averaging, Replica

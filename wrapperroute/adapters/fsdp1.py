@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from ._copies import group_ranks
+from .._groups import group_ranks
 from ._units import units_for
 from .base import NOTHING, Adapter, Averaging, Replica
 from .ddp import replicated

@@ -29,7 +29,7 @@ try:  # torch >= 2.10: replicate() built on FSDP2 (a ReplicateModule is an FSDPM
 except ImportError:
     ReplicateModule = None  # type: ignore[assignment,misc]
 
-from ._copies import dtensor_copies
+from .._groups import dtensor_copies
 from ._hooks import hooks_set_aside, put_hooks_back
 from ._units import units_for
 from .base import Adapter, Averaging, Replica

@@ -23,7 +23,7 @@ from torch.distributed._composable.replicate import DDP as ComposableDDP
 from torch.distributed._composable.replicate import replicate
 from torch.nn.parallel import DistributedDataParallel
 
-from ._copies import group_ranks
+from .._groups import group_ranks
 from ._hooks import hooks_set_aside, put_hooks_back
 from .base import Adapter, Averaging, Replica
 from .ddp import check_loss_reachable, concurrency_reason, mean_over, replicated, without_graph_optimizer

@@ -1,31 +1,61 @@
-"""What the audit says: the table of a desynced step, the final line, and the ``--json`` report."""
+"""What the audit says: each comparison it made (a checkpoint), the table of a desynced one, the final line, and
+the ``--json`` report."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .session import Audit, Checkpoint
+from ..crossrank import Mismatch, what_of
+
+
+@dataclass
+class Checkpoint:
+    """One comparison: before optimizer step ``step`` of optimizer ``optimizer``, or at the end. ``differences``:
+    the tensors whose copies differ, worst first; ``nonfinite``: the keys (``"gradient <name>"``) of those NaN or
+    inf alike on every copy."""
+
+    label: str
+    compared: int
+    differences: list[Mismatch] = field(default_factory=list)
+    nonfinite: list[str] = field(default_factory=list)
+
+
+class Audited(Protocol):
+    """What the report reads of an audit (``session.Audit``)."""
+
+    checkpoints: list[Checkpoint]
+    kinds: set[str]
+    alone: dict[str, int]
+    failure: str | None
+    stepped: bool
+    end_missed: bool
+    steps: int | None
+
+    @property
+    def desync(self) -> bool: ...
+
+    @property
+    def optimizers_seen(self) -> int: ...
 
 
 def format_checkpoint(checkpoint: Checkpoint, top: int = 8) -> str:
     """The comparison table of one desynced checkpoint: tensors differing and the worst by name."""
-    params = sorted({d.key for d in checkpoint.differences})
+    params = sorted({d.name for d in checkpoint.differences})
     lines = [
         f"wrapperroute audit, {checkpoint.label}: {len(params)} parameter(s) differ across replicas "
         f"({len(checkpoint.differences)} of {checkpoint.compared} tensors compared)",
         f"  {'max abs diff':>12}  {'of':<9} parameter",
     ]
     for difference in checkpoint.differences[:top]:
-        lines.append(f"  {difference.describe():>12}  {difference.what:<9} {difference.key}")
+        lines.append(f"  {difference.describe():>12}  {difference.what:<9} {difference.name}")
     if len(checkpoint.differences) > top:
         lines.append(f"  ... and {len(checkpoint.differences) - top} more")
     return "\n".join(lines)
 
 
-def final_line(audit: Audit, script_failed: str | None = None) -> str:
+def final_line(audit: Audited, script_failed: str | None = None) -> str:
     """The one line rank 0 prints at the end: DESYNC, in sync, FAILED (the audit's own error), or nothing
     audited, with what was seen."""
     checkpoints = audit.checkpoints
@@ -33,13 +63,13 @@ def final_line(audit: Audit, script_failed: str | None = None) -> str:
     wrappers = ", ".join(sorted(audit.kinds)) or "none"
     if audit.desync:
         first = next(c for c in checkpoints if c.differences)
-        params = {d.key for c in checkpoints for d in c.differences}
+        params = {d.name for c in checkpoints for d in c.differences}
         worst = max((d for c in checkpoints for d in c.differences), key=lambda d: (d.nonfinite > 0, d.max_abs_diff))
         how = "NaN or inf beside other values" if worst.nonfinite else f"{worst.max_abs_diff:.3g}"
         where = first.label if first.label.startswith("before") else f"at {first.label}"
         line = (
             f"wrapperroute audit: DESYNC ({steps} step(s) audited; {len(params)} parameter(s) differing, first "
-            f"{where}; worst {how} in {worst.key} ({worst.what}); wrappers: {wrappers}{_alone(audit)})"
+            f"{where}; worst {how} in {worst.name} ({worst.what}); wrappers: {wrappers}{_alone(audit)})"
         )
     elif audit.failure is not None:
         line = (
@@ -54,11 +84,11 @@ def final_line(audit: Audit, script_failed: str | None = None) -> str:
         )
     else:
         line = f"wrapperroute audit: nothing audited ({_why_nothing(audit)})"
-    nonfinite = [(c.label, key, what) for c in checkpoints for key, what in c.nonfinite]
+    nonfinite = [(c.label, *what_of(key)) for c in checkpoints for key in c.nonfinite]  # (label, what, name)
     if nonfinite:
-        label, key, what = nonfinite[0]
-        tensors = len({(key, what) for _, key, what in nonfinite})
-        line += f"; {tensors} tensor(s) NaN or inf alike on every rank, first at {label}: {key} ({what})"
+        label, what, name = nonfinite[0]
+        tensors = len({(what, name) for _, what, name in nonfinite})
+        line += f"; {tensors} tensor(s) NaN or inf alike on every rank, first at {label}: {name} ({what})"
     if audit.end_missed and audit.steps is not None:
         line += (
             "; no final comparison (the script's models were freed before it ended: call "
@@ -69,14 +99,14 @@ def final_line(audit: Audit, script_failed: str | None = None) -> str:
     return line + (f"; the script failed: {script_failed}" if script_failed else "")
 
 
-def _alone(audit: Audit) -> str:
+def _alone(audit: Audited) -> str:
     """The trainable parameters not compared, by why: ``"; not compared: 12 sharded"``."""
     if not audit.alone:
         return ""
     return "; not compared: " + ", ".join(f"{count} {why}" for why, count in sorted(audit.alone.items()))
 
 
-def _why_nothing(audit: Audit) -> str:
+def _why_nothing(audit: Audited) -> str:
     if not audit.optimizers_seen:
         return "no optimizer step ran"
     if not audit.stepped:
@@ -105,7 +135,7 @@ def strict_json(value: Any) -> Any:
     return value
 
 
-def report(audit: Audit, final: str, exit_status: int) -> dict[str, Any]:
+def report(audit: Audited, final: str, exit_status: int) -> dict[str, Any]:
     """The ``--json`` report (non-finite differences written ``"inf"``)."""
     verdict = "desync" if audit.desync else "failed" if audit.failure else "in sync" if audit.checkpoints else (
         "nothing audited")  # fmt: skip
@@ -120,8 +150,11 @@ def report(audit: Audit, final: str, exit_status: int) -> dict[str, Any]:
             {
                 "label": c.label,
                 "compared": c.compared,
-                "differences": [asdict(d) for d in c.differences],
-                "nonfinite": [{"key": key, "what": what} for key, what in c.nonfinite],
+                "differences": [
+                    {"key": d.name, "what": d.what, "max_abs_diff": d.max_abs_diff, "nonfinite": d.nonfinite}
+                    for d in c.differences
+                ],
+                "nonfinite": [dict(zip(("what", "key"), what_of(key), strict=True)) for key in c.nonfinite],
             }
             for c in audit.checkpoints
         ],

@@ -17,6 +17,7 @@ import runpy
 import sys
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from .session import AUDIT_FAILED_EXIT, DESYNC_EXIT, Audit, AuditDesyncError, DesyncExit, OnDesync, rank
 
@@ -112,26 +113,45 @@ def main(argv: list[str], leave: bool = False) -> int:
         sys.stdout.write(final + "\n")  # one write: other ranks' output cannot land inside the line
         sys.stdout.flush()
         audit.write_json(final, status)
-    if leave:
-        _leave(status)
+    if leave:  # every rank ends here together with these statuses: none is left waiting at the barrier
+        _leave(status, together=status in (0, DESYNC_EXIT, AUDIT_FAILED_EXIT))
     return status
 
 
-def _leave(status: int) -> None:
+def _together(seconds: float = 60.0) -> None:
+    """Wait until every rank is done (bounded: a barrier on the audit's own gloo group, if it made one). torchrun
+    stops every other rank (SIGTERM) as soon as one ends with a failing status, 3 included: a rank leaving first
+    would have the others stopped before rank 0's final line, or their own status, is out."""
+    import torch.distributed as dist
+
+    from .._groups import made_side_group
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    side = made_side_group(backend="gloo")
+    if side is not None:
+        with contextlib.suppress(Exception):  # a rank that never comes: leave anyway, once the wait is over
+            dist.monitored_barrier(group=side, timeout=timedelta(seconds=seconds), wait_all_ranks=True)
+
+
+def _leave(status: int, together: bool) -> None:
     """End the process with ``status``, every time. The script's exit handlers run (``atexit``: its own, the
     libraries', logging's) and the output is flushed, as at a normal exit; the interpreter's teardown, which
     aborts about 3 process exits in 10 with torch 2.13's gloo ("terminate called without an active exception",
     with or without ``destroy_process_group``, with or without the audit), does not run, so the launcher reads
-    the status the run earned, not SIGABRT."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    the status the run earned, not SIGABRT. ``together``: every rank leaves at once, after the others' exit
+    handlers too (see :func:`_together`)."""
     try:
-        atexit._run_exitfuncs()
-    finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        if together:
+            _together()
+    finally:
         os._exit(status)
 
 

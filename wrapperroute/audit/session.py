@@ -24,7 +24,6 @@ import traceback
 import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -36,9 +35,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from .. import crossrank
 from .._groups import side_group
 from ..adapters import Adapter
+from ..crossrank import Outcome, Pending, replica_rows
 from ..errors import GradSyncError
-from .replicas import _SEQ, Comparison, Difference, Finding, compare, compare_later, replicas, wrappers
-from .report import final_line, format_checkpoint, report
+from .replicas import _SEQ, replicas, wrappers
+from .report import Checkpoint, final_line, format_checkpoint, report
 
 OnDesync = Literal["exit", "raise", "warn"]
 DESYNC_EXIT = 3  # the exit status of a run in which a desync was found
@@ -59,16 +59,6 @@ class AuditDesyncError(GradSyncError):
     from ``wrapperroute.guard``, is the script's failure, not the audit's finding)."""
 
 
-@dataclass
-class Checkpoint:
-    """One comparison: before optimizer step ``step`` of optimizer ``optimizer``, or at the end."""
-
-    label: str
-    compared: int
-    differences: list[Difference] = field(default_factory=list)
-    nonfinite: list[tuple[str, str]] = field(default_factory=list)  # (key, what): NaN or inf alike on every copy
-
-
 class Audit:
     def __init__(self, steps: int | None, on_desync: OnDesync, json_path: str | None, group: Any = None) -> None:
         self.steps = steps  # audit each optimizer's first ``steps`` steps; None: every step
@@ -85,7 +75,7 @@ class Audit:
         self._group = group  # the gloo group comparisons run on; None: a side group of our own
         self._exchange = crossrank.Exchange()
         # optimizer id -> (label, comparison) started before its step, finished after it
-        self._pending: dict[int, tuple[str, Comparison]] = {}
+        self._pending: dict[int, tuple[str, Pending]] = {}
         # optimizer -> (index in this run's first-step order, steps seen); held weakly: a new optimizer may
         # reuse a dead one's id, and a run after a re-initialised process group starts afresh
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = (
@@ -184,10 +174,9 @@ class Audit:
                 # makes every copy alike (a NaN spread by the all-reduce), which a comparison read after the
                 # step would miss. Read whole now, not after the step as the deferred comparisons are.
                 self._compared_at_start = True
-                self._record(f"before {label}", compare(found, self._side_group(), None, True, self._exchange))
+                self._record(f"before {label}", self._compare(found).result())
             if found:  # the signatures exchanged while the optimizer steps; the verdict after it
-                comparison = compare_later(found, self._side_group(), ids, params, self._exchange, window)
-                self._pending[id(optimizer)] = (label, comparison)
+                self._pending[id(optimizer)] = (label, self._compare(found, params, ids, window))
 
     def _same_training_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether this call of ``optimizer.step`` belongs to the training step its last call began: a wrapper
@@ -242,7 +231,7 @@ class Audit:
             if self._running() and self.checkpoints:
                 found = self._replicas(rescan=False)
                 if found:
-                    self._record("end", compare(found, self._side_group(), None, True, self._exchange))
+                    self._record("end", self._compare(found).result())
                 else:  # the script's models were freed before it ended: said in the final line
                     self.end_missed = True
 
@@ -262,8 +251,17 @@ class Audit:
         self.alone = found.alone
         return found.replicas
 
-    def _record(self, label: str, finding: Finding) -> None:
-        checkpoint = Checkpoint(label, finding.compared, finding.differences, finding.nonfinite)
+    def _compare(self, found: list[Any], params: bool = True, grads_of: set[int] | None = None,
+                 window: tuple[int, int] | None = None) -> Pending:  # fmt: skip
+        """Compare ``found``'s parameters (and the gradients of ``grads_of``) with their copies: the signatures
+        read now and sent on their way, the verdict from ``result()``. Two kinds of comparison alternate
+        (gradients alone, gradients with parameters), each in its own slot of the run's exchange, so a comparison
+        like the last one costs one collective."""
+        rows = replica_rows(found, params=params, grads_of=grads_of, window=window)
+        return crossrank.compare_later(rows, self._side_group(), exchange=self._exchange, slot=params)
+
+    def _record(self, label: str, outcome: Outcome) -> None:
+        checkpoint = Checkpoint(label, outcome.compared, outcome.mismatches, outcome.nonfinite)
         self.checkpoints.append(checkpoint)
         if checkpoint.differences:
             self._desync(checkpoint)
@@ -313,5 +311,6 @@ def rank() -> int:
 
 
 __all__ = [
-    "AUDIT_FAILED_EXIT", "DESYNC_EXIT", "Audit", "AuditDesyncError", "DesyncExit", "format_checkpoint", "rank",
+    "AUDIT_FAILED_EXIT", "DESYNC_EXIT", "Audit", "AuditDesyncError", "Checkpoint", "DesyncExit", "format_checkpoint",
+    "rank",
 ]  # fmt: skip

@@ -23,9 +23,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from .._state import forget_isolated, routing_state
+from .._groups import group_ranks
+from .._routing.state import forget_isolated, routing_state
 from .._torch_internals import reset_dynamo
-from ..adapters._copies import group_ranks
 from ..crossrank import Row, compare
 from ..route import Mode, route_loss
 from ..tokens import token_divisor

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._state import forget_isolated
+from .._routing.state import forget_isolated
 from .._torch_internals import (
     clear_ddp_forward_marker,
     ddp_forward_marker,

@@ -1,5 +1,6 @@
-"""What ``route_loss`` learns about one model once (its plan), and the checks of ``unwrapped`` and ``gather=``
-against it. Plans hold every module weakly and are dropped with the model."""
+"""What to call: what ``route_loss`` learns about one model once (its plan), the checks of ``unwrapped`` and
+``gather=`` against it, and the routed call built from them (or None: call the loss plainly). Plans hold every
+module weakly and are dropped with the model."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from typing import Any, Literal, get_args
 import torch.distributed as dist
 from torch import nn
 
-from ._fallback import _fallback_key, _isolated_losses
-from ._swap import _Around, _Call, _Swap, _swap_for, _thread
-from ._unrouted import speak_up
-from .adapters import Adapter
-from .detect import Detection, detect, plain_types
-from .errors import RouteStateError, RouteTypeError, RouteValueError
+from ..adapters import Adapter
+from ..detect import Detection, detect, plain_types
+from ..errors import RouteStateError, RouteTypeError, RouteValueError
+from . import state
+from .run import fallback_key
+from .swap import Around, Call, Swap, swap_for
+from .unrouted import speak_up
 
 Mode = Literal["auto", "redirect", "isolate"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -65,7 +67,7 @@ def _no_wrapper() -> None:
     return None
 
 
-class _Plan:
+class Plan:
     """What route_loss learns about one model object once: the wrapper to call, its adapter, the module whose
     forward is swapped, and the modules already checked to be inside the model.
 
@@ -113,7 +115,7 @@ class _Plan:
         self.entry_ref: Callable[[], nn.Module | None] = _no_wrapper
         self.adapter = adapter
         self.target_ref: Callable[[], nn.Module | None] = _no_wrapper
-        self.swap: _Swap | None = None
+        self.swap: Swap | None = None
         self.enters_every_call = self.picks_units = False
         self.plain = False  # nothing to route through, and already spoken of: route_loss calls fn (see _new_plan)
         self.result_check: Callable[[nn.Module, Any], None] | None = None
@@ -123,7 +125,7 @@ class _Plan:
             self.wrapper_ref, self.target_ref = weakref.ref(wrapper), weakref.ref(target)
             entry = found.entry if found.entry is not None and found.entry is not wrapper else None
             self.entry_ref = weakref.ref(entry) if entry is not None else self.wrapper_ref
-            self.swap = _swap_for(target)
+            self.swap = swap_for(target)
             # The adapter's fast-path facts, read once: DDP's every step skips them.
             self.picks_units = adapter.picks_units
             self.enters_every_call = adapter.enters_every_call
@@ -148,21 +150,18 @@ class _Plan:
         self.checked[id(module)] = weakref.ref(module)
 
 
-_plans: dict[int, _Plan] = {}
-
-
 def _forget(key: int) -> None:
-    _plans.pop(key, None)
+    state.plans.pop(key, None)
 
 
-def _new_plan(model: nn.Module) -> _Plan:
-    plan = _Plan(model)
+def _new_plan(model: nn.Module) -> Plan:
+    plan = Plan(model)
     if not plan.lasting:
         return plan
     key = id(model)
-    if key not in _plans:
+    if key not in state.plans:
         weakref.finalize(model, _forget, key)
-    _plans[key] = plan
+    state.plans[key] = plan
     # route_loss's fast path for such a model: its plan, found by one lookup, says so. A class change
     # (fully_shard after a first call) misses the plan's class and plans again.
     plan.plain = plan.swap is None and type(model) in plain_types
@@ -172,7 +171,7 @@ def _new_plan(model: nn.Module) -> _Plan:
 def resolve(
     model: nn.Module, unwrapped: nn.Module | None, fn: Callable[..., Any], args: tuple[Any, ...],
     kwargs: dict[str, Any], mode: str, gather: nn.Module | Iterable[nn.Module] | None,
-) -> _Call | None:  # fmt: skip
+) -> Call | None:  # fmt: skip
     """The routed call for these arguments, or None when ``fn`` is to be called plainly: no wrapper to route
     through, or this thread already inside its forward. Checks every argument (raising on a bad one) and
     repairs wrapper state a failed forward left behind. The plan found by one lookup decides the common step."""
@@ -183,7 +182,7 @@ def resolve(
         )
     if mode != "auto" and mode not in MODES:
         raise RouteValueError(f"mode must be one of {MODES}, got {mode!r}")
-    plan = _plans.get(id(model))
+    plan: Plan | None = state.plans.get(id(model))
     # The step's common case: a plan for this model (dropped with it) whose class and wrapper are unchanged.
     wrapper = plan.wrapper_ref() if plan is not None and plan.model_type is type(model) else None
     if wrapper is None or plan is None:  # a first call, a changed model, or a model with no distributed wrapper
@@ -204,7 +203,7 @@ def resolve(
     if wrapper is None or adapter is None or swap is None:
         return None
     if swap.count:  # calls of ours in flight on this target: is this thread's loss one of them?
-        if id(wrapper) in _thread.routing:
+        if id(wrapper) in state.thread.routing:
             return None  # already inside this wrapper's forward: armed for this step; entering again clobbers it
     elif adapter.marks_forward(wrapper):  # a forward runs: this thread's, another's, or one that raised
         if adapter.in_forward(wrapper):
@@ -220,10 +219,11 @@ def resolve(
     if modules or plan.picks_units:
         adapter.validate_gather(wrapper, modules)
         nested = adapter.nested_units(wrapper, modules)
-    isolate = mode == "isolate" or (mode == "auto" and bool(_isolated_losses) and _fallback_key(fn) in _isolated_losses)
-    around = (_Around(adapter, isolate, modules, nested)
+    isolated = state.isolated_losses
+    isolate = mode == "isolate" or (mode == "auto" and bool(isolated) and fallback_key(fn) in isolated)
+    around = (Around(adapter, isolate, modules, nested)
               if plan.enters_every_call or isolate or modules or nested else None)  # fmt: skip
     # the target and the entry are alive: the wrapper holds the target, and the entry is the model the caller holds
     # (or the wrapper itself)
-    return _Call(wrapper, plan.entry_ref(), plan.target_ref(), swap, adapter, fn, args, kwargs, around,  # type: ignore[arg-type]
+    return Call(wrapper, plan.entry_ref(), plan.target_ref(), swap, adapter, fn, args, kwargs, around,  # type: ignore[arg-type]
                  plan.result_check, mode)  # fmt: skip

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._torch_internals import autocast_settings
+from .._torch_internals import autocast_settings
 
 _MAX_DEPTH = 16
 

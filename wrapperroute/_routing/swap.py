@@ -1,9 +1,9 @@
-"""The routed call and the forward swap: how a loss runs inside a wrapper's forward.
+"""The mechanism: the routed call, the forward swap, and entering the wrapper with it.
 
 The wrapper's forward calls one inner module (``ddp.module``, ``fsdp._fsdp_wrapped_module``, the FSDP2 root
 itself, ``engine.module``): its *target*. For the length of one routed call the target gets an instance
 ``forward`` (the *dispatch*) that runs the loss, and the wrapper is called with a single opaque argument, the
-*call* (``_Call``), carrying the loss, its arguments and everything needed to run it there. The swap is shared
+*call* (``Call``), carrying the loss, its arguments and everything needed to run it there. The swap is shared
 by every routed call in flight on one target and reference-counted; the last call out restores the original
 forwards.
 
@@ -20,18 +20,22 @@ import threading
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 
-from ._kept import kept_forward_context
-from .adapters import Adapter
-from .adapters.base import NOTHING
-from .errors import RouteStateError, RouteTypeError
+from ..errors import RouteStateError, RouteTypeError
+from . import state
+from .kept import kept_forward_context
+
+if TYPE_CHECKING:
+    from ..adapters import Adapter
+
+_NOTHING = contextlib.nullcontext()  # reusable and re-entrant: nothing to enter
 
 
-class _Around(NamedTuple):
+class Around(NamedTuple):
     """What is entered around the loss inside the forward (the adapter's ``around_loss``), and the nested shard
     units whose forwards the loss runs through (outermost first)."""
 
@@ -53,15 +57,7 @@ def _original_forward(module: nn.Module, saved: object) -> Callable[..., Any]:
 _LAZY_RESULTS = frozenset({types.CoroutineType, types.GeneratorType, types.AsyncGeneratorType})
 
 
-class _ThreadState(threading.local):
-    def __init__(self) -> None:
-        self.routing: set[int] = set()  # ids of wrappers whose forward is running a loss in this thread
-
-
-_thread = _ThreadState()
-
-
-class _Call:
+class Call:
     """One routed call: the loss and its arguments, the wrapper it runs inside and how to get there. Handed to
     the wrapper as its only argument, it reaches the target's swapped forward untouched."""
 
@@ -71,8 +67,8 @@ class _Call:
     )  # fmt: skip
 
     def __init__(
-        self, wrapper: nn.Module, entry: nn.Module, target: nn.Module, swap: _Swap, adapter: Adapter,
-        fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], around: _Around | None,
+        self, wrapper: nn.Module, entry: nn.Module, target: nn.Module, swap: Swap, adapter: Adapter,
+        fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], around: Around | None,
         result_check: Callable[[nn.Module, Any], None] | None, mode: str,
     ) -> None:  # fmt: skip
         self.wrapper = wrapper  # whose forward the loss must run inside
@@ -88,41 +84,41 @@ class _Call:
         self.mode = mode
         self.ran = False  # set when the wrapper's forward reached the loss: else the wrapper changed the call
 
-    def isolated(self) -> _Call:
+    def isolated(self) -> Call:
         """The same call, isolated from DDP's graph optimizer (the functorch fallback)."""
-        around = self.around or _Around(self.adapter, False, (), ())
+        around = self.around or Around(self.adapter, False, (), ())
         return self._with(self.wrapper, self.entry, self.target, self.swap, around._replace(isolate=True))
 
-    def through(self, unit: nn.Module) -> _Call:
+    def through(self, unit: nn.Module) -> Call:
         """The same loss entered through a nested shard unit's forward, the units after it still to enter."""
         assert self.around is not None  # only a call with nested units gets here
         target = self.adapter.redirect_target(unit)
         around = self.around._replace(nested=self.around.nested[1:])
-        return self._with(unit, unit, target, _swap_for(target), around)
+        return self._with(unit, unit, target, swap_for(target), around)
 
-    def _with(self, wrapper: nn.Module, entry: nn.Module, target: nn.Module, swap: _Swap,
-              around: _Around) -> _Call:  # fmt: skip
-        return _Call(wrapper, entry, target, swap, self.adapter, self.fn, self.args, self.kwargs, around,
+    def _with(self, wrapper: nn.Module, entry: nn.Module, target: nn.Module, swap: Swap,
+              around: Around) -> Call:  # fmt: skip
+        return Call(wrapper, entry, target, swap, self.adapter, self.fn, self.args, self.kwargs, around,
                      self.result_check, self.mode)  # fmt: skip
 
     def __repr__(self) -> str:  # shows up in wrapper error messages; keep it short
         return f"<wrapperroute call of {getattr(self.fn, '__qualname__', type(self.fn).__name__)}>"
 
 
-def _run_loss(call: _Call, kept: Callable[[], contextlib.AbstractContextManager[Any]] | None) -> Any:
+def _run_loss(call: Call, kept: Callable[[], contextlib.AbstractContextManager[Any]] | None) -> Any:
     """The loss inside what must be entered around it: the contexts of the target's own instance forward
     (accelerate's autocast), and the adapter's (a gather, the functorch isolation, nested shard units)."""
-    with kept() if kept is not None else NOTHING:
+    with kept() if kept is not None else _NOTHING:
         around = call.around
         if around is None:
             return call.fn(*call.args, **call.kwargs)
         with around.adapter.around_loss(call.wrapper, isolate=around.isolate, gather=around.gather):
             if around.nested:  # a shard unit the loss reads from: enter its forward too
-                return _enter(call.through(around.nested[0]))
+                return enter(call.through(around.nested[0]))
             return call.fn(*call.args, **call.kwargs)
 
 
-def _validate_result(call: _Call, result: Any) -> None:
+def _validate_result(call: Call, result: Any) -> None:
     if type(result) in _LAZY_RESULTS:
         raise RouteTypeError(
             f"fn returned a {type(result).__name__}: its body has not run, so the loss would be "
@@ -133,7 +129,7 @@ def _validate_result(call: _Call, result: Any) -> None:
         call.result_check(call.wrapper, result)
 
 
-class _Swap:
+class Swap:
     """The swapped forwards of one target module and of the wrapper calling it, shared by every in-flight
     call on the target (refcounted under ``lock``: the first call in swaps the target's forward for
     ``dispatch``, the last call out restores both).
@@ -180,29 +176,24 @@ class _Swap:
             self.kept_source = None
 
 
-_swaps: dict[int, _Swap] = {}
-
-
-_swaps_lock = threading.Lock()
-
-
-def _swap_for(target: nn.Module) -> _Swap:
-    swap = _swaps.get(id(target))
+def swap_for(target: nn.Module) -> Swap:
+    """The swap record of ``target``: made on first use (registered in ``state.swaps``, dropped with it)."""
+    swap: Swap | None = state.swaps.get(id(target))
     if swap is None:
-        with _swaps_lock:
-            swap = _swaps.get(id(target))
+        with state.swaps_lock:
+            swap = state.swaps.get(id(target))
             if swap is None:
-                swap = _swaps[id(target)] = _Swap(target)
-                weakref.finalize(target, _swaps.pop, id(target), None)
+                swap = state.swaps[id(target)] = Swap(target)
+                weakref.finalize(target, state.swaps.pop, id(target), None)
     return swap
 
 
-def _make_dispatch(target_ref: weakref.ref[nn.Module], swap: _Swap) -> Callable[..., Any]:
+def _make_dispatch(target_ref: weakref.ref[nn.Module], swap: Swap) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         call = args[0] if args else None
-        if type(call) is not _Call or len(args) != 1 or kwargs:
+        if type(call) is not Call or len(args) != 1 or kwargs:
             # Another thread calling the model normally while a loss is routed: behave as the real forward. (A
-            # wrapper that changed our call lands here too; _enter then says so.)
+            # wrapper that changed our call lands here too; enter then says so.)
             target = target_ref()
             if target is None:  # unreachable while the module is being called; keeps the types honest
                 raise RouteStateError("the routed module was garbage-collected during its own forward")
@@ -218,7 +209,7 @@ def _make_dispatch(target_ref: weakref.ref[nn.Module], swap: _Swap) -> Callable[
                     swap.last_wrapper = weakref.ref(wrapper)
                     swap.wrapper, swap.saved_wrapper = wrapper, wrapper.__dict__.get("forward", _MISSING)
                     wrapper.__dict__["forward"] = swap.passthrough
-        routing = _thread.routing
+        routing = state.thread.routing
         key = id(wrapper)
         try:
             routing.add(key)  # a call of the wrapper from the loss is now a plain inner call (passthrough)
@@ -236,7 +227,7 @@ def _make_dispatch(target_ref: weakref.ref[nn.Module], swap: _Swap) -> Callable[
     return forward
 
 
-def _make_passthrough(target_ref: weakref.ref[nn.Module], swap: _Swap) -> Callable[..., Any]:
+def _make_passthrough(target_ref: weakref.ref[nn.Module], swap: Swap) -> Callable[..., Any]:
     """The wrapper's ``forward`` while losses run inside it: in a thread running one, calling the wrapper is a
     plain call of the inner module; in any other thread, the wrapper's real forward."""
 
@@ -249,7 +240,7 @@ def _make_passthrough(target_ref: weakref.ref[nn.Module], swap: _Swap) -> Callab
             if wrapper is None or wrapper.__dict__.get("forward") is forward:
                 raise RouteStateError("the routed wrapper was called after its loss ended, through a stale forward")
             return wrapper.forward(*args, **kwargs)
-        if id(wrapper) in _thread.routing:
+        if id(wrapper) in state.thread.routing:
             target = target_ref()
             if target is None:  # unreachable while a loss runs inside the wrapper
                 raise RouteStateError("the routed module was garbage-collected during its own forward")
@@ -259,15 +250,15 @@ def _make_passthrough(target_ref: weakref.ref[nn.Module], swap: _Swap) -> Callab
     return forward
 
 
-class _RefusedError(RouteStateError):
+class RefusedError(RouteStateError):
     """Another thread is inside this wrapper's forward: ``call`` refused before entering anything."""
 
-    def __init__(self, message: str, call: _Call) -> None:
+    def __init__(self, message: str, call: Call) -> None:
         super().__init__(message)
         self.call = call
 
 
-def _enter(call: _Call) -> Any:
+def enter(call: Call) -> Any:
     """Call ``call.entry`` (the wrapper, or a layer entered around it) with ``call``, whose loss runs in
     ``call.target``'s swapped forward."""
     swap, target = call.swap, call.target
@@ -283,7 +274,7 @@ def _enter(call: _Call) -> Any:
                 adapter = call.adapter
                 reason = adapter.concurrency_error(call.wrapper, grad, swap.grad_calls)
                 if reason is not None:
-                    raise _RefusedError(
+                    raise RefusedError(
                         f"another thread is running a routed forward through this {adapter.kind} wrapper right "
                         f"now, and {reason}. Serialise the steps (one lock around route_loss and backward), route "
                         "evaluation calls under torch.no_grad() (DDP), or use separate models on separate process "

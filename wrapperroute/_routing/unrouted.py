@@ -16,15 +16,18 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .adapters import registered
-from .adapters._hooks import modules_being_called
-from .detect import Detection, unrouted_state
-from .errors import RouteValueError, UnroutedModelWarning
+from .._torch_internals import COMPOSABLE_REGISTRY_KEY
+from ..adapters import modules_being_called, registered
+from ..errors import RouteValueError, UnroutedModelWarning
+
+if TYPE_CHECKING:
+    from ..detect import Detection
 
 
 def enclosing_wrapper(model: nn.Module) -> nn.Module | None:
@@ -74,7 +77,7 @@ def speak_up(model: nn.Module, found: Detection) -> bool:
     return True
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # wrapperroute/
 
 
 def _callers_level() -> int:
@@ -84,3 +87,15 @@ def _callers_level() -> int:
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         level, frame = level + 1, frame.f_back
     return level
+
+
+def unrouted_state(module: nn.Module) -> list[str]:
+    """Modules below ``module`` (itself included) carrying torch composable distributed state that no adapter
+    claims, as ``"path (Class): api, ..."``. Activation checkpointing (``checkpoint``) is not distributed."""
+    adapters = registered()
+    found: list[str] = []
+    for name, sub in module.named_modules():
+        apis = [api for api in getattr(sub, COMPOSABLE_REGISTRY_KEY, None) or () if api != "checkpoint"]
+        if apis and not any(adapter.claims(sub) for adapter in adapters):
+            found.append(f"{name or '<root>'} ({type(sub).__name__}): {', '.join(apis)}")
+    return found
