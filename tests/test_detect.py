@@ -1,4 +1,4 @@
-"""``detect`` on real wrappers in one process (one gloo rank), and the autocast keeper (``_kept.py``) on the
+"""``detect`` on real wrappers in one process (one gloo rank), and the autocast keeper (``_routing/kept.py``) on the
 forward accelerate's mixed precision installs."""
 
 from __future__ import annotations

@@ -93,13 +93,20 @@ def test_graph_optimizer_failure_is_recognised_through_the_chain() -> None:
 
 
 def test_fast_path_facts_match_what_the_adapters_do() -> None:
-    """route_loss trusts each adapter's class facts instead of asking: an adapter that says it enters nothing on
-    a plain call must return NOTHING there, and one that says it picks no units must not override the two
-    methods its fast path skips; one that marks no forward must not override in_forward or repair. A layer that is
-    only peeled has no routing verb at all."""
+    """route_loss and the audit trust each adapter's class facts instead of asking: one that says it picks no
+    units must not override the two methods its fast path skips; one that marks no forward must not override
+    in_forward or repair; one that isolates must have an around_loss of its own to isolate with; one whose gradient
+    sync is armed in its forward says when it syncs; one that says it does not shard names its replicas. A layer
+    that is only peeled has no routing verb at all."""
+    import importlib
+    import importlib.util
+
     from wrapperroute.adapters import registered
     from wrapperroute.adapters.base import NOTHING, Adapter
 
+    for package in ("deepspeed", "peft", "lightning"):  # their adapters register once the package is imported
+        if importlib.util.find_spec(package) is not None:
+            importlib.import_module(package)
     for adapter in registered():
         kind = type(adapter)
         if not isinstance(adapter, Adapter):
@@ -107,7 +114,13 @@ def test_fast_path_facts_match_what_the_adapters_do() -> None:
             continue
         if kind.marks_forward is Adapter.marks_forward:  # marks nothing: route_loss never asks the other two
             assert kind.repair is Adapter.repair and kind.in_forward is Adapter.in_forward, kind
-        if not adapter.enters_every_call:
+        if adapter.isolates:
+            assert kind.around_loss is not Adapter.around_loss, kind
+        if adapter.arms_in_forward:
+            assert kind.syncs_gradients is not Adapter.syncs_gradients, kind
+        if adapter.distributed and not adapter.shards:
+            assert kind.replicas is not Adapter.replicas, kind  # the default says every parameter is sharded
+        if kind.around_loss is Adapter.around_loss:  # the plan asks once; the base answers NOTHING
             assert adapter.around_loss(torch.nn.Linear(1, 1), isolate=False, gather=()) is NOTHING, kind
         if not adapter.picks_units:
             assert kind.validate_gather is Adapter.validate_gather, kind

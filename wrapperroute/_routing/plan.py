@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..adapters import Adapter
+from ..adapters.base import NOTHING
 from ..detect import Detection, detect, plain_types
 from ..errors import RouteStateError, RouteTypeError, RouteValueError
 from . import state
@@ -128,7 +129,8 @@ class Plan:
             self.swap = swap_for(target)
             # The adapter's fast-path facts, read once: DDP's every step skips them.
             self.picks_units = adapter.picks_units
-            self.enters_every_call = adapter.enters_every_call
+            # what every call enters around the loss, asked once: made, not entered (contexts enter lazily)
+            self.enters_every_call = adapter.around_loss(wrapper, isolate=False, gather=()) is not NOTHING
             self.result_check = adapter.result_check(wrapper)
             adapter.prepare(wrapper)
         self.checked: dict[int, weakref.ref[nn.Module]] = {}

@@ -16,18 +16,18 @@ ddp                distributed, arms_in_forward, isolates       marks_forward, i
                                                                 around_loss (isolate), result_check
                                                                 (find_unused), concurrency_error, step_ranks,
                                                                 syncs_gradients, replicas, averaging
-replicate          distributed, arms_in_forward, isolates,      as ddp but in_forward and repair (the base
-                   enters_every_call                            class's), with recover, around_loss (hooks
+replicate          distributed, arms_in_forward, isolates       as ddp but in_forward and repair (the base
+                                                                class's), with recover, around_loss (hooks
                                                                 set aside), inner_wrappers and meshes
 fsdp1              distributed, shards, picks_units             redirect_target, marks_forward, describe,
                                                                 recover, nested_units, step_ranks, read_whole
                                                                 (warns), replicas (NO_SHARD), averaging
-fsdp2              distributed, shards, picks_units,            marks_forward, describe, recover, nested_units,
-                   enters_every_call                            around_loss (hooks set aside), step_ranks,
+fsdp2              distributed, shards, picks_units             marks_forward, describe, recover, nested_units,
+                                                                around_loss (hooks set aside), step_ranks,
                                                                 read_whole, replicas, averaging, meshes
 replicate_fsdp     as fsdp2, not shards                         claims
-deepspeed          distributed, shards, picks_units,            marks_forward, describe, validate_gather,
-                   enters_every_call                            recover, prepare (the head registered),
+deepspeed          distributed, shards, picks_units             marks_forward, describe, validate_gather,
+                                                                recover, prepare (the head registered),
                                                                 around_loss, concurrency_error, step_ranks,
                                                                 read_whole, replicas (ZeRO 0-2, experts),
                                                                 averaging
@@ -156,9 +156,6 @@ class Adapter(Layer):
     picks_units
         True when ``validate_gather`` and ``nested_units`` do something (sharded wrappers): asked on every
         call; False lets ``route_loss`` skip both.
-    enters_every_call
-        True when ``around_loss(isolate=False, gather=())`` enters something (FSDP2 sets hooks aside); False means
-        it returns ``NOTHING`` and ``route_loss`` does not ask it on such calls.
     enters
         True for a layer that is not distributed itself but whose own forward must run around the wrapper's
         (Lightning Fabric's precision context): :func:`wrapperroute.route_loss` calls that layer, not the
@@ -170,7 +167,6 @@ class Adapter(Layer):
     arms_in_forward: ClassVar[bool] = False
     isolates: ClassVar[bool] = False
     picks_units: ClassVar[bool] = False
-    enters_every_call: ClassVar[bool] = False
 
     def redirect_target(self, wrapper: nn.Module) -> nn.Module:
         """The module whose ``forward`` the wrapper's forward calls: its forward is swapped for the loss."""
@@ -215,8 +211,9 @@ class Adapter(Layer):
 
         ``isolate``: keep wrapper-specific compiler passes away from the loss (the functorch fallback).
         ``gather``: modules whose parameters the loss reads directly and that must be whole while it runs.
-        An adapter that returns ``NOTHING`` for ``isolate=False, gather=()`` is asked that once per model, not
-        on every plain call: such an answer must not depend on anything but the arguments.
+        Asked once per model with ``isolate=False, gather=()`` (the context is made, not entered): an adapter that
+        returns ``NOTHING`` there is not asked on such calls again, so that answer must depend on nothing but
+        the arguments.
         """
         return NOTHING
 

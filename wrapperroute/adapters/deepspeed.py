@@ -50,7 +50,6 @@ class DeepSpeedAdapter(Adapter):
     kind = "deepspeed"
     distributed = True
     picks_units = True
-    enters_every_call = True
     shards = True
 
     def claims(self, module: nn.Module) -> bool:

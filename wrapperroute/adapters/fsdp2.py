@@ -45,7 +45,6 @@ class FSDP2Adapter(Adapter):
     kind = "fsdp2"
     distributed = True
     picks_units = True
-    enters_every_call = True
     shards = True
 
     def claims(self, module: nn.Module) -> bool:

@@ -53,7 +53,6 @@ class ReplicateAdapter(Adapter):
     kind = "replicate"
     distributed = True
     arms_in_forward = True
-    enters_every_call = True
     isolates = True
 
     def claims(self, module: nn.Module) -> bool:

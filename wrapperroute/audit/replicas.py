@@ -21,7 +21,7 @@ from torch import nn
 
 from ..adapters import Adapter, Replica, registered
 
-_SEQ = "_wrapperroute_audit_seq"  # creation order of DDP wrappers, stamped by the audit (see session.py)
+CREATION_ORDER = "_wrapperroute_audit_seq"  # creation order of DDP wrappers, stamped by the audit (see session.py)
 
 
 def wrappers() -> list[tuple[Adapter, nn.Module]]:
@@ -43,7 +43,7 @@ def wrappers() -> list[tuple[Adapter, nn.Module]]:
     def order(item: tuple[Adapter, nn.Module]) -> tuple[Any, ...]:
         adapter, wrapper = item
         shapes = tuple((name, tuple(p.shape)) for name, p in wrapper.named_parameters())
-        return (adapter.kind, getattr(wrapper, _SEQ, 0), shapes)
+        return (adapter.kind, getattr(wrapper, CREATION_ORDER, 0), shapes)
 
     return sorted(outer, key=order)
 

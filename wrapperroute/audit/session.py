@@ -37,7 +37,7 @@ from .._groups import side_group
 from ..adapters import Adapter
 from ..crossrank import Outcome, Pending, replica_rows
 from ..errors import GradSyncError
-from .replicas import _SEQ, replicas, wrappers
+from .replicas import CREATION_ORDER, replicas, wrappers
 from .report import Checkpoint, final_line, format_checkpoint, report
 
 OnDesync = Literal["exit", "raise", "warn"]
@@ -102,7 +102,7 @@ class Audit:
 
         def stamped(ddp: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
             init(ddp, *args, **kwargs)
-            ddp.__dict__[_SEQ] = next(counter)  # creation order: the same on every rank
+            ddp.__dict__[CREATION_ORDER] = next(counter)  # creation order: the same on every rank
 
         DistributedDataParallel.__init__ = stamped  # type: ignore[method-assign,assignment]
         self._undo.append(lambda: setattr(DistributedDataParallel, "__init__", init))

@@ -71,7 +71,6 @@ def trainer_classes(name: str) -> tuple[Any, Any] | None:
 
 # A tiny chat template (GKD's collator applies one); the words only need to be in the vocabulary.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w0{% endif %}"
-VARIANTS = ("unpatched", "patched", "naive")
 
 
 def tiny_llama(vocab: int, hidden: int) -> Any:

@@ -42,7 +42,7 @@ def build_zero(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
         raise ValueError(f"unknown DeepSpeed cell options {sorted(unknown)}; known: {_OPTIONS}")
     gas = int(opts.get("gradient_accumulation_steps", 1))
     config = zero_config(int(opts["stage"]), gas, **opts.get("zero", {}))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # as wrappers._sgd
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # as wrappers.sgd_step
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     inner: nn.Module = engine.module
     torch_style = opts.get("backward", "engine") == "torch"

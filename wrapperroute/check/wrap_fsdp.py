@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._torch_internals import fsdp1_flat_units, fsdp1_local_shard, fsdp2_api, replicate_with_fsdp
-from .wrappers import Wrapped, _sgd, gradient_sync_off
+from .wrappers import Wrapped, gradient_sync_off, sgd_step
 
 
 def _clean(name: str) -> str:
@@ -70,7 +70,7 @@ def build_fsdp1(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
     def full_grads() -> dict[str, torch.Tensor]:
         return gather_flat(fsdp, lambda flat: flat.grad if flat.grad is not None else torch.zeros_like(flat))
 
-    return Wrapped(fsdp, fsdp.module, fsdp.no_sync, full_grads, _sgd(fsdp.parameters()))
+    return Wrapped(fsdp, fsdp.module, fsdp.no_sync, full_grads, sgd_step(fsdp.parameters()))
 
 
 def build_fsdp2(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
@@ -119,7 +119,7 @@ def build_fsdp2(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
         }
 
     no_sync = functools.partial(gradient_sync_off, root)
-    return Wrapped(model, model, no_sync, full_grads, _sgd(model.parameters()))
+    return Wrapped(model, model, no_sync, full_grads, sgd_step(model.parameters()))
 
 
 def build_replicate_fsdp(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
@@ -140,7 +140,7 @@ def build_replicate_fsdp(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
         return grads
 
     no_sync = functools.partial(gradient_sync_off, root)
-    return Wrapped(model, model, no_sync, full_grads, _sgd(model.parameters()))
+    return Wrapped(model, model, no_sync, full_grads, sgd_step(model.parameters()))
 
 
 def build_fsdp2_cp(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
@@ -171,5 +171,5 @@ def build_fsdp2_cp(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
 
     rank = dist.get_rank()
     no_sync = functools.partial(gradient_sync_off, root)
-    return Wrapped(model, model, no_sync, full_grads, _sgd(model.parameters()), data_rank=rank // cp,
+    return Wrapped(model, model, no_sync, full_grads, sgd_step(model.parameters()), data_rank=rank // cp,
                    data_world=world // cp, seq_shard=(rank % cp, cp))  # fmt: skip

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .models import TinyCausalLM
-from .wrappers import Wrapped, _sgd
+from .wrappers import Wrapped, sgd_step
 
 
 def _mesh(tp: int, hsdp: bool = False) -> Any:
@@ -47,7 +47,7 @@ def _wrapped(model: nn.Module, data_rank: int, data_world: int, twin: nn.Module 
     from .wrap_fsdp import gradient_sync_off
 
     no_sync: Any = (lambda: gradient_sync_off(model)) if data_world > 1 else contextlib.nullcontext
-    return Wrapped(model, model, no_sync, lambda: _full_grads(model), _sgd(model.parameters()),
+    return Wrapped(model, model, no_sync, lambda: _full_grads(model), sgd_step(model.parameters()),
                    data_rank=data_rank, data_world=data_world, twin=twin)  # fmt: skip
 
 

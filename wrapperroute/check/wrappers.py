@@ -103,7 +103,7 @@ def _replicated_grads(inner: nn.Module) -> Callable[[], dict[str, torch.Tensor]]
     return grads
 
 
-def _sgd(params: Iterator[nn.Parameter]) -> Callable[[], None]:
+def sgd_step(params: Iterator[nn.Parameter]) -> Callable[[], None]:
     optimizer = torch.optim.SGD(params, lr=0.5)
 
     def step() -> None:
@@ -114,14 +114,14 @@ def _sgd(params: Iterator[nn.Parameter]) -> Callable[[], None]:
 
 
 def build_none(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
-    return Wrapped(model, model, contextlib.nullcontext, _replicated_grads(model), _sgd(model.parameters()))
+    return Wrapped(model, model, contextlib.nullcontext, _replicated_grads(model), sgd_step(model.parameters()))
 
 
 def build_ddp(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(model, **opts)
-    return Wrapped(ddp, model, ddp.no_sync, _replicated_grads(model), _sgd(ddp.parameters()))
+    return Wrapped(ddp, model, ddp.no_sync, _replicated_grads(model), sgd_step(ddp.parameters()))
 
 
 @contextlib.contextmanager
@@ -140,7 +140,7 @@ def build_replicate(model: nn.Module, opts: dict[str, Any]) -> Wrapped:
 
     composable_replicate()(model, **opts)
     no_sync = functools.partial(gradient_sync_off, model)
-    return Wrapped(model, model, no_sync, _replicated_grads(model), _sgd(model.parameters()))
+    return Wrapped(model, model, no_sync, _replicated_grads(model), sgd_step(model.parameters()))
 
 
 def build_fabric(model: nn.Module, opts: dict[str, Any]) -> Wrapped:

@@ -11,7 +11,7 @@ from torch import nn
 from ..detect import detect
 from ..route import Mode, route_loss
 
-_MISSING = object()
+MISSING = object()
 
 
 class ForwardRedirection:
@@ -60,10 +60,10 @@ class ForwardRedirection:
         kwargs: dict[str, Any],
     ) -> Any:  # fmt: skip
         """TRL's redirection, for a wrapper wrapperroute does not know, plus restore-on-exception."""
-        saved = original.__dict__.get("forward", _MISSING)
+        saved = original.__dict__.get("forward", MISSING)
 
         def restore() -> None:
-            if saved is _MISSING:
+            if saved is MISSING:
                 original.__dict__.pop("forward", None)
             else:
                 original.__dict__["forward"] = saved

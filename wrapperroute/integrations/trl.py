@@ -46,7 +46,7 @@ from torch import nn
 
 from ..detect import detect
 from ..route import Mode, route_loss
-from ._redirection import _MISSING, ForwardRedirection
+from ._redirection import MISSING, ForwardRedirection
 
 log = logging.getLogger("wrapperroute")
 
@@ -83,7 +83,7 @@ _applied: dict[str, tuple[Any, str, Any]] = {}
 
 def _set(label: str, owner: Any, attribute: str, value: Any) -> None:
     if label not in _applied:
-        _applied[label] = (owner, attribute, owner.__dict__.get(attribute, _MISSING))
+        _applied[label] = (owner, attribute, owner.__dict__.get(attribute, MISSING))
     setattr(owner, attribute, value)
 
 
@@ -285,10 +285,10 @@ def patch_trl(mode: Mode = "isolate", forward_redirection: bool = True) -> TrlPa
         utils = importlib.import_module("trl.models.utils") if _importable("trl.models.utils") else None
         key = "trl.models.utils._ForwardRedirection"
         original = (
-            _applied[key][2] if key in _applied else utils.__dict__.get("_ForwardRedirection", _MISSING)
-            if utils is not None else _MISSING
+            _applied[key][2] if key in _applied else utils.__dict__.get("_ForwardRedirection", MISSING)
+            if utils is not None else MISSING
         )  # fmt: skip
-        if original is _MISSING:
+        if original is MISSING:
             notes.append(f"TRL {version} has no _ForwardRedirection: nothing to replace")
         else:
             for module in _trl_redirection_modules(original):
@@ -314,14 +314,14 @@ def _importable(module_name: str) -> bool:
 def unpatch_trl() -> TrlPatch:
     """Undo :func:`patch_trl`. Trainers built while patched keep the redirection instance they made."""
     key = "trl.models.utils._ForwardRedirection"
-    trl_class = _applied[key][2] if key in _applied else _MISSING
+    trl_class = _applied[key][2] if key in _applied else MISSING
     for _label, (owner, attribute, original) in reversed(list(_applied.items())):
-        if original is _MISSING:
+        if original is MISSING:
             delattr(owner, attribute)
         else:
             setattr(owner, attribute, original)
     _applied.clear()
-    if trl_class is not _MISSING:  # modules imported while patched took ours from trl.models.utils
+    if trl_class is not MISSING:  # modules imported while patched took ours from trl.models.utils
         for module in _trl_redirection_modules(ForwardRedirection):
             module._ForwardRedirection = trl_class
     trl = sys.modules.get("trl")
