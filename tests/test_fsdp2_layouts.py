@@ -83,3 +83,9 @@ def test_global_token_mean_over_two_dimensions(pool4: RankPool, layout: str) -> 
 
 def test_experts_over_an_ep_dimension(pool4: RankPool) -> None:
     pool4.run(rankside_fsdp2_layouts.experts_over_ep)
+
+
+def test_averaging_over_nested_meshes(pool4: RankPool) -> None:
+    import rankside_averaging
+
+    pool4.run(rankside_averaging.nested_meshes)

@@ -120,9 +120,15 @@ class FSDP2Adapter(Adapter):
                     divides_by, unread = _divide_factor(group, len(ranks))
                     found.add((ranks, divides_by, unread))
                     meshes[ranks] = mesh
-        if len(found) != 1:
-            return None  # no group (nothing to reduce), or groups reducing over different ranks or factors
-        ranks, divides_by, unread = found.pop()
+        if not found or len({factor for _, factor, _ in found}) != 1:
+            return None  # no group (nothing to reduce), or groups dividing by different factors
+        # Groups over nested meshes (torchtitan's experts, sharded over the ranks of one expert-parallel group,
+        # dividing by the dense layers' factor): every rank's tokens reach the dense layers, so the widest mesh's
+        # ranks are the ones that train on different data.
+        ranks, divides_by, unread = max(found, key=lambda entry: len(entry[0]))
+        if not all(set(other) <= set(ranks) for other, _, _ in found):
+            return None  # meshes over different ranks, neither holding the other
+        unread = "; ".join(sorted({said for _, _, said in found if said}))
         mesh = meshes[ranks]
         return Averaging(ranks, mesh.get_group() if mesh.ndim == 1 else None, divides_by, unread=unread)
 
