@@ -137,9 +137,9 @@ def _together(seconds: float = 60.0) -> None:
 def _leave(status: int, together: bool) -> None:
     """End the process with ``status``, every time. The script's exit handlers run (``atexit``: its own, the
     libraries', logging's) and the output is flushed, as at a normal exit; the interpreter's teardown, which
-    aborts about 3 process exits in 10 with torch 2.13's gloo ("terminate called without an active exception",
-    with or without ``destroy_process_group``, with or without the audit), does not run, so the launcher reads
-    the status the run earned, not SIGABRT. ``together``: every rank leaves at once, after the others' exit
+    torch 2.13's gloo can abort ("terminate called without an active exception", with or without
+    ``destroy_process_group``, with or without the audit), does not run, so the launcher reads the status the
+    run earned, not SIGABRT. ``together``: every rank leaves at once, after the others' exit
     handlers too (see :func:`_together`)."""
     try:
         for stream in (sys.stdout, sys.stderr):
