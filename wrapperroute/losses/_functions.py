@@ -1,6 +1,6 @@
 """The two autograd functions: per-token results (log-probabilities with the entropy, or each token's loss) that
-keep a few floats per token and recompute each chunk's logits in the backward; and a mean or summed
-cross-entropy whose gradients are taken chunk by chunk in the forward."""
+keep a few floats per token and recompute the logits in the backward, a slice of the vocabulary at a time; and a
+mean or summed cross-entropy whose gradients are taken chunk by chunk in the forward."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from ._rows import Coefficients, Grads, Plan, accumulating, logits_grad, loss_co
 class PerToken(torch.autograd.Function):
     """``log p(target)`` per token and, with ``plan.entropy``, the entropy (two outputs); or, when ``kind`` is
     ``"loss"``, each token's cross-entropy with label smoothing and z-loss. Ignored tokens give 0 and no
-    gradient. Keeps each row's log-sum-exp (and ``E[z]`` for the entropy); the backward recomputes each chunk's
-    logits, since the gradients flowing in are only known then, and skips the entropy's terms when its gradient
+    gradient. Keeps each row's log-sum-exp (and ``E[z]`` for the entropy); the backward recomputes the logits,
+    since the gradients flowing in are only known then, a slice of the vocabulary for every token at a time (as
+    many logits as a chunk of tokens), and skips the entropy's terms when its gradient
     is None (the entropy unused, or only logged)."""
 
     @staticmethod
@@ -70,11 +71,14 @@ class PerToken(torch.autograd.Function):
             coefficients = Coefficients(minus, None if incoming is None else minus, beta)
         local = target - plan.offset
         shifted_bias = None if bias is None else bias.to(dtype)
-        for rows in plan.chunks(hidden.shape[0]):
-            z = plan.logits(hidden[rows], weight, shifted_bias)
-            grad = logits_grad(z, local[rows], coefficients[rows], plan.cap_slope(z), lse=lses[rows],
-                               expected=None if expected is None else expected[rows])  # fmt: skip
-            grads.add(grad, rows, hidden, weight)
+        # over the vocabulary, every token at once: each word's gradient row written once, where chunks of tokens
+        # would each add to the whole weight's gradient (a pass over it per chunk)
+        widened = hidden.to(dtype) if grads.weight is not None else hidden
+        for columns in plan.columns(hidden.shape[0], weight.shape[0]):
+            z = plan.logits(hidden, weight[columns], None if shifted_bias is None else shifted_bias[columns])
+            grad = logits_grad(z, local - columns.start, coefficients, plan.cap_slope(z), lse=lses,
+                               expected=expected)  # fmt: skip
+            grads.add_columns(grad, columns, widened, weight)
         return (*grads.finish(plan.group).cast(hidden, weight, bias), None, None, None)
 
 

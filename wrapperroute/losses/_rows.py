@@ -57,6 +57,12 @@ class Plan:
     def chunks(self, rows: int) -> list[slice]:
         return [slice(start, start + self.chunk) for start in range(0, rows, self.chunk)]
 
+    def columns(self, rows: int, local_vocab: int) -> list[slice]:
+        """Slices of this rank's vocabulary whose logits for all ``rows`` tokens hold as many elements as a chunk
+        of rows does over the whole slice (at least one column)."""
+        width = max(1, self.chunk * local_vocab // max(rows, 1))
+        return [slice(start, start + width) for start in range(0, local_vocab, width)]
+
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The chunk's transformed logits on this rank's slice, a fresh float32 (float64) buffer."""
         z = (hidden @ weight.t()).to(accumulating(hidden))
@@ -127,12 +133,6 @@ class Coefficients:
     beta: torch.Tensor | None = None
     delta: torch.Tensor | None = None
 
-    def __getitem__(self, rows: slice) -> Coefficients:
-        alpha, gamma, beta, delta = (None if c is None else c[rows] for c in (self.alpha, self.gamma, self.beta,
-                                                                              self.delta))  # fmt: skip
-        assert alpha is not None
-        return Coefficients(alpha, gamma, beta, delta)
-
 
 def loss_coefficients(weight: torch.Tensor, lse: torch.Tensor, plan: Plan) -> Coefficients:
     """For ``weight`` times each row's loss ``lse - (1 - eps) z[target] - eps mean(z) + z_loss lse^2``: its
@@ -196,6 +196,16 @@ class Grads:
             self.weight.addmm_(grad.t(), hidden[rows].to(grad.dtype))
         if self.bias is not None:
             self.bias += grad.sum(dim=0)
+
+    def add_columns(self, grad: torch.Tensor, columns: slice, hidden: torch.Tensor, weight: torch.Tensor) -> None:
+        """The gradient of every token's logits over some of the vocabulary (``columns``), taken back: added to
+        the hidden states' (all rows), written to the weight's and bias's rows of these words, once each."""
+        if self.hidden is not None:
+            self.hidden += grad.to(weight.dtype) @ weight[columns]
+        if self.weight is not None:  # hidden already in the gradient's dtype
+            torch.mm(grad.t(), hidden, out=self.weight[columns])
+        if self.bias is not None:
+            self.bias[columns] = grad.sum(dim=0)
 
     def finish(self, group: Any) -> Grads:
         """Every rank's part of the hidden states' gradient summed: each slice of the vocabulary contributes."""
