@@ -95,8 +95,8 @@ class Rows:
 def statistics(z: torch.Tensor, local: torch.Tensor, plan: Plan) -> Rows:
     """One MAX all-reduce of the rows' maxima, one SUM all-reduce of their sums of exponentials, target logits
     (only the slice holding the target contributes), and, when asked, sums of ``exp(z - max) * (z - max)``
-    (entropy) and of the logits (label smoothing). ``z`` becomes ``z - max`` in place; ``exps`` is ``z`` itself
-    unless the entropy needs both."""
+    (entropy) and of the logits (label smoothing). ``z`` is overwritten: ``exps`` is ``z`` itself, unless the
+    entropy is asked for (then ``z`` ends as the products)."""
     rows, width = z.shape
     mine = (local >= 0) & (local < width)
     picked = z.gather(1, local.clamp(0, max(width - 1, 0)).unsqueeze(1)).squeeze(1) if width else z.new_zeros(rows)
@@ -109,8 +109,8 @@ def statistics(z: torch.Tensor, local: torch.Tensor, plan: Plan) -> Rows:
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=plan.group)
     shifted = z.sub_(largest.unsqueeze(1))
     exps = shifted.exp() if plan.entropy else shifted.exp_()
-    if plan.entropy:  # row-wise dot products, without a buffer for the products
-        parts.append(torch.bmm(exps.unsqueeze(1), shifted.unsqueeze(2)).view(rows))
+    if plan.entropy:  # in z's place: nothing reads it after; torch's sum, more accurate than a dot product's
+        parts.append(shifted.mul_(exps).sum(dim=1))
     sums = torch.stack([exps.sum(dim=1), *parts])
     if plan.group is not None:
         dist.all_reduce(sums, group=plan.group)
