@@ -150,11 +150,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--reps", type=int, help="repetitions (default 11 on one process, 5 on ranks)")
+    parser.add_argument("--reps", type=int, help="repetitions (default 21 on one process, 7 on ranks)")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args()
     vocab, hidden_size, tokens = (4096, 128, 256) if args.quick else (32768, 512, 2048)
-    reps = args.reps or (3 if args.quick else 11 if args.tp == 1 else 5)
+    reps = args.reps or (3 if args.quick else 21 if args.tp == 1 else 7)
     if args.tp == 1:
         torch.manual_seed(0)
         found = measure(vocab, hidden_size, tokens, reps)

@@ -64,7 +64,7 @@ def _number(name: str, value: Any, low: float, *, low_included: bool = False, hi
 
 def _prepare(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
-    chunk_size: int | None, **options: Any,
+    chunk_size: int | None, per_token: bool, **options: Any,
 ) -> _Call:  # fmt: skip
     """Checks every operand (the targets' values included: one reduction, read on the host), takes the head's
     and bias's slices, gathers hidden states and targets sharded on tokens, and plans the chunks."""
@@ -87,7 +87,7 @@ def _prepare(
     hidden, tokens = token_layout(hidden, "hidden")
     if hidden.dtype != shard.local.dtype:
         raise RouteTypeError(f"hidden ({hidden.dtype}) and weight ({shard.local.dtype}) must share a dtype")
-    chunk = chunk_rows(hidden.shape[0], hidden.shape[1], shard.local.shape[0], chunk_size)
+    chunk = chunk_rows(hidden.shape[0], hidden.shape[1], shard.local.shape[0], chunk_size, per_token)
     plan = Plan(logit_scale, softcap, temperature, shard.offset, shard.vocab, shard.group, chunk, **options)
     return _Call(hidden, shard.local, local_bias, target.long(), plan, tokens)
 
@@ -121,10 +121,10 @@ def linear_logprobs(
     DTensor sharded as ``hidden``); anything else raises ``RouteValueError`` naming the first bad position and
     value, on every tensor-parallel rank alike. That check is one reduction over the targets read on the host,
     so it waits for the device (a CUDA synchronisation). ``chunk_size``: rows per chunk (default: a chunk's
-    logits no larger than ``hidden``, or 8 MiB of float32 where that is more). The preference losses (DPO, KTO)
+    logits no larger than ``hidden``, or 32 MiB of float32 where that is more). The preference losses (DPO, KTO)
     are built on these; see ``docs/tensor-parallel.md``.
     """
-    call = _prepare(hidden, weight, target, bias, chunk_size, temperature=temperature, softcap=softcap,
+    call = _prepare(hidden, weight, target, bias, chunk_size, True, temperature=temperature, softcap=softcap,
                     logit_scale=logit_scale, ignore_index=ignore_index, entropy=bool(return_entropy))  # fmt: skip
     found = PerToken.apply(call.hidden, call.weight, call.bias, call.target, call.plan, "logprob")
     if return_entropy:
@@ -162,8 +162,8 @@ def linear_cross_entropy(
     """
     if reduction not in ("mean", "sum", "none"):
         raise RouteValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    call = _prepare(hidden, weight, target, bias, chunk_size, temperature=temperature, softcap=softcap,
-                    logit_scale=logit_scale, ignore_index=ignore_index,
+    call = _prepare(hidden, weight, target, bias, chunk_size, reduction == "none", temperature=temperature,
+                    softcap=softcap, logit_scale=logit_scale, ignore_index=ignore_index,
                     label_smoothing=_number("label_smoothing", label_smoothing, 0.0, low_included=True, high=1.0),
                     z_loss=_number("z_loss", z_loss, 0.0, low_included=True))  # fmt: skip
     if reduction == "none":

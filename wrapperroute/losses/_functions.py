@@ -16,8 +16,8 @@ class PerToken(torch.autograd.Function):
     ``"loss"``, each token's cross-entropy with label smoothing and z-loss. Ignored tokens give 0 and no
     gradient. Keeps each row's log-sum-exp (and ``E[z]`` for the entropy); the backward recomputes the logits,
     since the gradients flowing in are only known then, a slice of the vocabulary for every token at a time (as
-    many logits as a chunk of tokens), and skips the entropy's terms when its gradient
-    is None (the entropy unused, or only logged)."""
+    many logits as a chunk of tokens), and skips the entropy's terms when its gradient is None (the entropy
+    unused, or only logged)."""
 
     @staticmethod
     def forward(
@@ -28,11 +28,11 @@ class PerToken(torch.autograd.Function):
         dtype = accumulating(hidden)
         keep = target != plan.ignore_index
         local = target - plan.offset
-        shifted_bias = None if bias is None else bias.to(dtype)
+        wide_bias = None if bias is None else bias.to(dtype)
         value, lses = (torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device) for _ in range(2))
         entropy = torch.empty_like(value) if plan.entropy else None
         for rows in plan.chunks(hidden.shape[0]):
-            found = statistics(plan.logits(hidden[rows], weight, shifted_bias), local[rows], plan)
+            found = statistics(plan.logits(hidden[rows], weight, wide_bias), local[rows], plan)
             lses[rows] = found.lse
             if kind == "loss":
                 smoothed = found.picked if found.mean is None else torch.lerp(found.picked, found.mean,
@@ -55,9 +55,9 @@ class PerToken(torch.autograd.Function):
     def backward(ctx: Any, grad_value: torch.Tensor | None, grad_entropy: torch.Tensor | None = None) -> Any:
         hidden, weight, bias, target, lses, expected = ctx.saved_tensors
         plan: Plan = ctx.plan
-        grads = Grads.zeros(ctx.needs_input_grad[:3], hidden, weight, bias)
-        if not grads.any or (grad_value is None and grad_entropy is None):
+        if not any(ctx.needs_input_grad[:3]) or (grad_value is None and grad_entropy is None):
             return None, None, None, None, None, None
+        grads = Grads.zeros(ctx.needs_input_grad[:3], hidden, weight, bias)
         dtype = accumulating(hidden)
         # ignored tokens get no gradient, whatever flows in
         keep = (target != plan.ignore_index).to(dtype)
@@ -70,12 +70,12 @@ class PerToken(torch.autograd.Function):
             beta = None if grad_entropy is None else grad_entropy.to(dtype) * keep * -plan.slope
             coefficients = Coefficients(minus, None if incoming is None else minus, beta)
         local = target - plan.offset
-        shifted_bias = None if bias is None else bias.to(dtype)
+        wide_bias = None if bias is None else bias.to(dtype)
         # over the vocabulary, every token at once: each word's gradient row written once, where chunks of tokens
         # would each add to the whole weight's gradient (a pass over it per chunk)
         widened = hidden.to(dtype) if grads.weight is not None else hidden
         for columns in plan.columns(hidden.shape[0], weight.shape[0]):
-            z = plan.logits(hidden, weight[columns], None if shifted_bias is None else shifted_bias[columns])
+            z = plan.logits(hidden, weight[columns], None if wide_bias is None else wide_bias[columns])
             grad = logits_grad(z, local - columns.start, coefficients, plan.cap_slope(z), lse=lses,
                                expected=expected)  # fmt: skip
             grads.add_columns(grad, columns, widened, weight)
@@ -100,9 +100,9 @@ class Summed(torch.autograd.Function):
         grads = Grads.zeros([need and grad_enabled for need in ctx.needs_input_grad[:3]], hidden, weight, bias)
         total = torch.zeros((), dtype=dtype, device=hidden.device)
         local = target - plan.offset
-        shifted_bias = None if bias is None else bias.to(dtype)
+        wide_bias = None if bias is None else bias.to(dtype)
         for rows in plan.chunks(hidden.shape[0]):
-            z = plan.logits(hidden[rows], weight, shifted_bias)
+            z = plan.logits(hidden[rows], weight, wide_bias)
             cap = plan.cap_slope(z) if grads.any else None
             found = statistics(z, local[rows], plan)
             kept = keep[rows]

@@ -18,6 +18,10 @@ import torch.distributed as dist
 # A chunk's logits may hold as many elements as the hidden states, and at least this many (8 MiB of float32):
 # smaller chunks spend their time re-reading the weight's gradient, each chunk adding its part to all of it.
 _CHUNK_ELEMENTS = 1 << 21
+# Per-token results go over every logit twice (forward, and the backward's recompute), with the entropy in more
+# operations each time: at least 32 MiB, fewer and larger operations (at V=32768 on 2 busy cores, 256 rows took
+# 0.755 of TRL's time where 64 took 1.10; benchmarks/logprob_cost.py).
+_PER_TOKEN_ELEMENTS = 1 << 23
 
 
 def accumulating(tensor: torch.Tensor) -> torch.dtype:
@@ -25,10 +29,10 @@ def accumulating(tensor: torch.Tensor) -> torch.dtype:
     return torch.promote_types(tensor.dtype, torch.float32)
 
 
-def chunk_rows(rows: int, hidden_size: int, local_vocab: int, chunk_size: int | None) -> int:
+def chunk_rows(rows: int, hidden_size: int, local_vocab: int, chunk_size: int | None, per_token: bool) -> int:
     """Rows per chunk: given, or so that a chunk's logits hold no more than the hidden states, or 8 MiB of
-    float32 where that is more."""
-    budget = max(rows * hidden_size, _CHUNK_ELEMENTS)
+    float32 where that is more (32 MiB for per-token results)."""
+    budget = max(rows * hidden_size, _PER_TOKEN_ELEMENTS if per_token else _CHUNK_ELEMENTS)
     return chunk_size if chunk_size is not None else max(1, min(rows, budget // max(local_vocab, 1)))
 
 
