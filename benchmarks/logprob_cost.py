@@ -11,7 +11,8 @@ its torch path on CPU), fp32, the same run:
 
 Figures: peak bytes the CPU allocator held during forward and backward (torch's profiler's allocation events:
 every allocation and free of a tensor, no sampling; rank 0), and of those, the peak of the head-sized ones (whole
-head, or a shard, or their gradients: allocations of exactly those sizes, which nothing else here has); time,
+head, or a shard, or their gradients: allocations of exactly those sizes; ours counted with one row fewer per
+chunk, so that no chunk of logits has a shard's size); time,
 repetitions interleaved (order alternating), the median of the per-repetition ratios ours / TRL's with the
 10th-90th percentile spread; and how far ours is from TRL's (values and gradients).
 
@@ -23,6 +24,7 @@ repetitions interleaved (order alternating), the median of the per-repetition ra
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import statistics
@@ -40,6 +42,7 @@ import torch.distributed as dist  # noqa: E402
 
 from wrapperroute.losses import linear_logprobs  # noqa: E402
 from wrapperroute.losses._layout import check_targets  # noqa: E402
+from wrapperroute.losses._rows import chunk_rows  # noqa: E402
 from wrapperroute.ranks import RankPool  # noqa: E402
 
 
@@ -110,8 +113,8 @@ def measure(vocab: int, hidden_size: int, tokens: int, reps: int) -> dict[str, A
         weight = distribute_tensor(whole.detach(), mesh, [Shard(0)]).requires_grad_()
     tile = _trl_tile()
 
-    def ours() -> list[torch.Tensor]:
-        return list(linear_logprobs(hidden, weight, target, return_entropy=True))
+    def ours(chunk: int | None = None) -> list[torch.Tensor]:
+        return list(linear_logprobs(hidden, weight, target, return_entropy=True, chunk_size=chunk))
 
     def theirs() -> list[torch.Tensor]:
         head = weight.full_tensor() if ranks > 1 else weight  # what TRL's fused_lm_head does with a DTensor head
@@ -138,11 +141,15 @@ def measure(vocab: int, hidden_size: int, tokens: int, reps: int) -> dict[str, A
     element = whole.element_size()
     head_sizes = {vocab * hidden_size * element, -(-vocab // ranks) * hidden_size * element}
     changes = {name: allocations(step(path)) for name, path in (("ours", ours), ("theirs", theirs))}
+    # the head-sized count of ours, again with one row fewer per chunk: a default chunk of logits can be exactly a
+    # shard's size (32 MiB at tp=2), and what ours allocates of the head's size does not depend on the chunk
+    rows = chunk_rows(tokens, hidden_size, -(-vocab // ranks), None, per_token=True)
+    head_changes = {"ours": allocations(step(functools.partial(ours, max(1, rows - 1)))), "theirs": changes["theirs"]}
     timed = _paired(step(ours), step(theirs), reps, ranks > 1)
     forward = lambda: linear_logprobs(hidden.detach(), whole.detach(), target, return_entropy=True)  # noqa: E731
     check = _paired(lambda: check_targets(target, vocab, -100), forward, reps, False) if ranks == 1 else None
     return {"peak_bytes": {name: peak(c) for name, c in changes.items()},
-            "head_peak_bytes": {name: peak(c, head_sizes) for name, c in changes.items()},
+            "head_peak_bytes": {name: peak(c, head_sizes) for name, c in head_changes.items()},
             "time": timed, "agreement": agreement, "check_over_forward": check, "trl_tile": tile}  # fmt: skip
 
 
