@@ -31,7 +31,8 @@ def _mesh(tp: int) -> Any:
 def options_on_a_sharded_head(tp: int, sequence_parallel: bool, cases: list[ref.Case]) -> dict[str, float]:
     """Each case's values and gradients (hidden states, head, bias) within its tolerance of the truth; returns
     the largest difference seen per dtype. Per-token results on hidden states sharded on tokens must come back
-    as DTensors sharded alike, each rank its own rows."""
+    as DTensors sharded alike, each rank its own rows; their targets whole, or (every other case) sharded
+    alike."""
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     mesh = _mesh(tp)
@@ -51,7 +52,10 @@ def options_on_a_sharded_head(tp: int, sequence_parallel: bool, cases: list[ref.
         hidden = made["hidden"].clone().requires_grad_()
         if sequence_parallel:
             hidden = distribute_tensor(made["hidden"], mesh, [Shard(0)]).requires_grad_()
-        found = ref.ours(case, hidden, weight, bias, made["target"])
+        target = made["target"]
+        if sequence_parallel and index % 2:  # every other case: the targets sharded as the hidden states are
+            target = distribute_tensor(target, mesh, [Shard(0)])
+        found = ref.ours(case, hidden, weight, bias, target)
         local = {}
         for name, value in found.items():
             if value.dim() and sequence_parallel:
