@@ -1,6 +1,8 @@
 """Tensor-parallel heads on 4 CPU ranks: the vocabulary-parallel losses move nothing of the head's size, match
-Liger's DPO and KTO on one process, and detect/route_loss see the layout. Gradient truth of whole training
-steps on (dp x tp) meshes, by hand and by transformers, is `wrapperroute check`'s: run here on its cells."""
+Liger's DPO and KTO on one process, take every option (tests/loss_reference.py's cases) exactly with hidden
+states whole or sharded on tokens, refuse bad targets on every rank, and detect/route_loss see the layout.
+Gradient truth of whole training steps on (dp x tp) meshes, by hand and by transformers, is `wrapperroute
+check`'s: run here on its cells."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
+import loss_reference as ref
 import pytest
+import rankside_loss_options as rlo
 import rankside_tensor_parallel as rtp
 
 from wrapperroute.check.cell import Cell, is_exact, run_cell
@@ -75,3 +79,20 @@ def test_a_rank_without_vocabulary_rows(four: RankPool, vocab: int) -> None:
     """Asserted in each rank against torch on the whole head; the last rank holds no row of the vocabulary."""
     rows = [rank["rows"] for rank in four.run(rtp.uneven_vocabulary, vocab)]
     assert sum(rows) == vocab and rows[-1] == 0, rows
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_every_case_on_a_sharded_head(four: RankPool, tp: int) -> None:
+    """Asserted in each rank against the truth on the whole head: hidden states whole, then sharded on tokens
+    (sequence parallelism; per-token results back as DTensors sharded alike)."""
+    for sequence_parallel in (False, True):
+        worst = four.run(rlo.options_on_a_sharded_head, tp, sequence_parallel, ref.CASES)
+        assert all(rank["float64"] <= 1e-9 and rank["float32"] <= 1e-5 for rank in worst), worst
+        print(f"tp={tp} sequence_parallel={sequence_parallel}: largest difference", {  # shown under pytest -s
+            key: max(rank[key] for rank in worst) for key in ("float64", "float32")})  # fmt: skip
+
+
+def test_bad_targets_raise_on_every_rank(pool: RankPool) -> None:
+    """Two ranks, the head split between them: every rank raises (asserted in each), none hangs."""
+    seen = pool.run(rlo.bad_targets_raise_on_every_rank)
+    assert len(seen) == 2 and seen[0] == seen[1] and len(seen[0]) == 6, seen
