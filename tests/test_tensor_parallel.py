@@ -48,8 +48,9 @@ def test_detect_sees_the_layout_and_route_loss_stays_quiet(four: RankPool) -> No
         assert rank["warnings"] == [], rank
     for rank in four.run(rtp.layout_and_warnings, 4, False):  # tensor parallel over every rank: no replica
         assert rank["kind"] == "none" and rank["head_ranks"] == (0, 1, 2, 3) and rank["warnings"] == [], rank
-        # every parameter compared, the head's slices each with itself alone: none differs
-        assert rank["sync"] == (rank["trainable"], 0), rank
+        # every replicated parameter compared, none differing; the head's vocabulary slice has no copy on another
+        # rank (each rank holds its own): not compared
+        assert rank["sync"] == (rank["trainable"] - 1, 0), rank
     for rank in four.run(rtp.layout_and_warnings, 2, False):  # two copies of a tp=2 model, nothing syncing them
         assert rank["kind"] == "none" and rank["warnings"] == ["UnroutedModelWarning"], rank
 
