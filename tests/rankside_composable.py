@@ -109,7 +109,7 @@ def _in_dispatch() -> bool:
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if code.co_name == "forward" and code.co_filename.endswith(os.path.join("wrapperroute", "route.py")):
+        if code.co_name == "forward" and code.co_filename.endswith(os.path.join("wrapperroute", "_routing", "swap.py")):
             return True
         frame = frame.f_back  # type: ignore[assignment]
     return False
