@@ -1,5 +1,5 @@
 """Rank bodies for tests/test_accelerate.py (module level: the pool pickles them by reference). Each runs on
-every rank of the pool and returns plain data for the test to assert on."""
+every rank of the pool and asserts its facts where it finds them."""
 
 from __future__ import annotations
 
@@ -26,12 +26,13 @@ def _fresh_accelerator(**kwargs: Any) -> Any:
     return Accelerator(cpu="deepspeed_plugin" not in kwargs, **kwargs)
 
 
-def accelerate_gradient_truth(plugin: str, steps: int = 2) -> dict[str, Any]:
-    """fused CE routed through ``Accelerator.prepare``'d model (``plugin``: "ddp" or "zero3"), gradients
-    compared across ranks and with a single process on the global batch, as in check/cell.py."""
+def accelerate_gradient_truth(plugin: str, chain: tuple[str, ...], steps: int = 2) -> None:
+    """fused CE routed through ``Accelerator.prepare``'d model (``plugin``: "ddp" or "zero3", detected as
+    ``chain``), each step's gradients the same on every rank (all 6 parameters) and a single process's on the
+    global batch, as in check/cell.py."""
     import torch.distributed as dist
 
-    from wrapperroute.check.cell import differing_across_ranks, max_grad_diff
+    from wrapperroute.check.cell import REFERENCE_TOLERANCE, differing_across_ranks, max_grad_diff
     from wrapperroute.check.losses import LOSSES, make_batch
     from wrapperroute.check.wrappers import build_none
 
@@ -51,7 +52,8 @@ def accelerate_gradient_truth(plugin: str, steps: int = 2) -> dict[str, Any]:
     unwrapped = accelerator.unwrap_model(prepared)
     reference = build_none(build_model(config), {})
     rank, world = dist.get_rank(), dist.get_world_size()
-    out: dict[str, Any] = {"chain": detect(prepared).chain, "differ": 0, "max_ref_diff": 0.0}
+    found = detect(prepared).chain
+    assert found == chain, f"Accelerator.prepare with {plugin}: detected {found}, not {chain}"
     for step in range(steps):
         batch = make_batch(case, config, rank, step, 0)
         loss = route_loss(prepared, unwrapped, case.compute, unwrapped, batch, {})
@@ -65,13 +67,13 @@ def accelerate_gradient_truth(plugin: str, steps: int = 2) -> dict[str, Any]:
         differ, _ = differing_across_ranks(grads)
         global_batch = case.concat([make_batch(case, config, r, step, 0) for r in range(world)])
         case.compute(reference.model, global_batch, {}).backward()  # type: ignore[arg-type]
-        out["differ"] = max(out["differ"], differ)
-        out["max_ref_diff"] = max(out["max_ref_diff"], max_grad_diff(grads, reference.full_grads()))
-        out["params"] = len(grads)
+        ref_diff = max_grad_diff(grads, reference.full_grads())
+        assert len(grads) == 6, f"step {step}: {len(grads)} gradients, not the tiny model's 6"
+        assert differ == 0, f"step {step}: {differ} parameters' gradients differ across ranks"
+        assert ref_diff <= REFERENCE_TOLERANCE, f"step {step}: gradients {ref_diff:.3g} from one process's"
         optimizer.step()
         optimizer.zero_grad()
         reference.step()
-    return out
 
 
 def _naive_redirect(wrapper: nn.Module, inner: nn.Module, fn: Any) -> Any:
@@ -86,9 +88,10 @@ def _naive_redirect(wrapper: nn.Module, inner: nn.Module, fn: Any) -> Any:
     return wrapper()
 
 
-def accelerate_autocast_inside(mixed_precision: str) -> dict[str, Any]:
-    """Whether the user's autocast is in force inside ``fn``: normal forward, ours, a naive redirection."""
-    accelerator = _fresh_accelerator(mixed_precision=mixed_precision)
+def bf16_autocast_inside() -> None:
+    """Accelerate's bf16 autocast is in force in a normal forward and inside our routed ``fn``, not inside a naive
+    redirection's; off after them, and the prepared model's own autocast forward kept."""
+    accelerator = _fresh_accelerator(mixed_precision="bf16")
     model = build_model(TinyConfig())
     prepared = accelerator.prepare(model)
     unwrapped = accelerator.unwrap_model(prepared)
@@ -106,14 +109,18 @@ def accelerate_autocast_inside(mixed_precision: str) -> dict[str, Any]:
     )
     prepared(ids)
     handle.remove()
+    bf16, fp32 = (True, "torch.bfloat16"), (False, "torch.float32")
+    assert seen["normal"] == bf16, f"a normal forward of this model runs in (autocast, dtype) {seen['normal']}"
     route_loss(prepared, unwrapped, probe, "routed").backward()
+    assert seen["routed"] == bf16, f"the routed loss runs in (autocast, dtype) {seen['routed']}, not {bf16}"
     _naive_redirect(prepared, unwrapped, lambda: probe("naive")).backward()
-    seen["after"] = torch.is_autocast_enabled("cpu")
-    seen["forward_restored"] = "forward" in unwrapped.__dict__ and hasattr(unwrapped, "_original_forward")
-    return seen
+    assert seen["naive"] == fp32, f"a naive redirection runs in (autocast, dtype) {seen['naive']}: it kept autocast"
+    assert not torch.is_autocast_enabled("cpu"), "autocast is still on after the calls"
+    kept = "forward" in unwrapped.__dict__ and hasattr(unwrapped, "_original_forward")
+    assert kept, "accelerate's autocast forward on the model is gone"
 
 
-def accelerate_accumulate_no_sync() -> dict[str, Any]:
+def accelerate_accumulate_no_sync() -> None:
     """Inside ``accelerator.accumulate`` on a non-boundary micro-batch, routed gradients stay local (DDP's
     no_sync honoured); on the boundary they are synced."""
     from wrapperroute.check.losses import LOSSES, make_batch
@@ -125,12 +132,14 @@ def accelerate_accumulate_no_sync() -> dict[str, Any]:
     rank = torch.distributed.get_rank()
     from wrapperroute.check.cell import differing_across_ranks
 
-    differs = []
     for micro in range(2):
         with accelerator.accumulate(prepared):
             batch = make_batch(case, config, rank, 0, micro)
             loss = route_loss(prepared, unwrapped, case.compute, unwrapped, batch, {})
             accelerator.backward(loss)
         grads = {n: p.grad for n, p in unwrapped.named_parameters() if p.grad is not None}
-        differs.append(differing_across_ranks(grads)[0])
-    return {"differ_per_micro": differs, "params": len(list(unwrapped.parameters()))}
+        differ = differing_across_ranks(grads)[0]
+        if micro == 0:  # not the boundary: local gradients only
+            assert differ > 0, "the first micro-batch's gradients agree across ranks: no_sync was not honoured"
+        else:  # the boundary: synced
+            assert differ == 0, f"at the boundary {differ} parameters' gradients differ across ranks"

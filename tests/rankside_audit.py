@@ -1,4 +1,5 @@
-"""Rank bodies for tests/test_audit.py: the audit's cross-rank comparison on real gloo ranks."""
+"""Rank bodies for tests/test_audit.py: the audit's cross-rank comparison on real gloo ranks, each asserting what
+the comparison found where it is found."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ def compare(replicas: list[Replica], side: Any, grads_of: set[int], params: bool
     return compare_later(rows, side, exchange=exchange, slot=params).result()
 
 
-def compare_replicas(differ_at: str | None, extra_on_rank: int | None) -> dict[str, Any]:
+def compare_replicas(differ_at: str | None, extra_on_rank: int | None, expected: list[tuple[str, str, float]]) -> None:
     """Three replicated parameters with gradients (equal on every rank unless ``differ_at`` names one, which
-    rank 1 perturbs by 0.5); ``extra_on_rank``: that rank alone holds a fourth (the ranks' key lists differ)."""
+    rank 1 perturbs by 0.5); ``extra_on_rank``: that rank alone holds a fourth (the ranks' key lists differ).
+    Every row this rank holds is compared (parameter and gradient), and the differences found are ``expected``
+    (name, what, difference to 1e-6): a key only one rank holds has no copy to be compared with."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     params = {name: torch.nn.Parameter(torch.randn(64, 8)) for name in ("a", "b", "c", "d")}
@@ -34,13 +37,18 @@ def compare_replicas(differ_at: str | None, extra_on_rank: int | None) -> dict[s
     side = dist.new_group(backend="gloo")
     finding = compare(found, side, {id(p) for p in params.values()}, params=True)
     dist.destroy_process_group(side)
-    return {"compared": finding.compared,
-            "differences": [(d.name, d.what, d.max_abs_diff) for d in finding.mismatches]}  # fmt: skip
+    keys = len(names)
+    assert finding.compared == 2 * keys, f"{finding.compared} rows compared for {keys} keys' parameters and gradients"
+    found = [(d.name, d.what, d.max_abs_diff) for d in finding.mismatches]
+    assert len(found) == len(expected) and all(
+        (name, what) == (want_name, want_what) and abs(diff - want) <= 1e-6
+        for (name, what, diff), (want_name, want_what, want) in zip(found, expected, strict=False)
+    ), f"found {found}, expected {expected}"
 
 
-def collectives_per_comparison(rounds: int) -> dict[str, Any]:
+def collectives_per_comparison(rounds: int, calls_expected: list[int]) -> None:
     """The same comparison ``rounds`` times with one exchange (as an audited run does), then once with the
-    rows changed on rank 1: the collectives each call ran, and what each found."""
+    rows changed on rank 1: each call ran ``calls_expected`` collectives, and none found a difference."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     params = {name: torch.nn.Parameter(torch.randn(16, 4)) for name in ("a", "b", "c")}
@@ -59,24 +67,24 @@ def collectives_per_comparison(rounds: int) -> dict[str, Any]:
         return collective
 
     dist.all_gather, dist.all_gather_object = counting(gather), counting(gather_object)  # type: ignore[assignment]
-    calls, found = [], []
     try:
         for round_ in range(rounds + 1):
             names = ["a", "b", "c"] if round_ < rounds or rank == 0 else ["a", "b"]
             replicas = [Replica(f"ddp[0].{n}", params[n], (0, 1), True) for n in names]
             before = counted["calls"]
             finding = compare(replicas, side, {id(p) for p in params.values()}, params=False, exchange=exchange)
-            calls.append(counted["calls"] - before)
-            found.append(len(finding.mismatches))
+            calls = counted["calls"] - before
+            assert calls == calls_expected[round_], f"comparison {round_} ran {calls} collectives: {calls_expected}"
+            assert not finding.mismatches, f"comparison {round_} found differences: {finding.mismatches}"
     finally:
         dist.all_gather, dist.all_gather_object = gather, gather_object  # type: ignore[assignment]
         dist.destroy_process_group(side)
-    return {"calls": calls, "found": found}
 
 
-def compare_in_windows(position: int) -> dict[str, Any]:
-    """One large gradient that differs at one ``position`` on rank 1 (by 0.5): what a comparison finds reading
-    each eighth of it in turn, and reading it whole."""
+def compare_in_windows(position: int, holder: tuple[int, int]) -> None:
+    """One large gradient that differs at one ``position`` on rank 1 (by 0.5): a comparison reading each eighth
+    of it in turn finds the difference (measured on the whole tensor) in the eighth ``holder`` only, and reading
+    it whole finds it at once."""
     rank = dist.get_rank()
     param = torch.nn.Parameter(torch.zeros(1 << 17))
     param.grad = torch.ones_like(param)
@@ -85,15 +93,15 @@ def compare_in_windows(position: int) -> dict[str, Any]:
             param.grad[position] += 0.5
     replica = [Replica("ddp[0].big", param, (0, 1), True)]
     side = dist.new_group(backend="gloo")
-    found = {}
     for window in [*((part, 8) for part in range(8)), None]:
         finding = compare(replica, side, {id(param)}, params=False, window=window)
-        found[str(window)] = [(d.what, d.max_abs_diff) for d in finding.mismatches]
+        found = [(d.what, d.max_abs_diff) for d in finding.mismatches]
+        expected = [("gradient", 0.5)] if window in (holder, None) else []
+        assert found == expected, f"reading the window {window} of 8 found {found}, expected {expected}"
     dist.destroy_process_group(side)
-    return found
 
 
-def step_that_raises() -> dict[str, Any]:
+def step_that_raises() -> None:
     """An audited DDP run whose optimizer's first step raises inside (after the audit's pre-step hook started
     a comparison, so its post-step hook never runs); the script goes on: the comparison is finished at the
     next step, every rank in the same order, and the run ends with every checkpoint recorded."""
@@ -135,4 +143,7 @@ def step_that_raises() -> dict[str, Any]:
         audit.finish()
     finally:
         audit.uninstall()
-    return {"raised": raised, "labels": [c.label for c in audit.checkpoints], "desync": audit.desync}
+    assert raised == ["the optimizer's own failure"], f"the optimizer's steps raised {raised}"
+    labels = [c.label for c in audit.checkpoints]
+    assert labels == ["before step 1", "step 1", "step 2", "step 3", "end"], f"the checkpoints recorded: {labels}"
+    assert not audit.desync, f"the audit found a desync: {audit.desync}"

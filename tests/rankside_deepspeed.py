@@ -1,5 +1,5 @@
 """Rank bodies for tests/test_deepspeed.py (module level: the pool pickles them by reference). Each runs on
-every rank of the pool and returns plain data for the test to assert on."""
+every rank of the pool and asserts its facts where it finds them; the timing returns its measurement."""
 
 from __future__ import annotations
 
@@ -13,22 +13,27 @@ from torch import nn
 
 from wrapperroute import detect, route_loss
 from wrapperroute.check import cell as cell_module
-from wrapperroute.check.cell import Cell, CellResult, run_cell
+from wrapperroute.check.cell import REFERENCE_TOLERANCE, Cell, run_cell
 from wrapperroute.check.models import TinyConfig, build_model
 
 
-def run_cell_gathering(cell: Cell) -> CellResult:
-    """``run_cell`` with ``gather=[unwrapped.lm_head]`` passed to every route_loss call."""
+def gathering_exact(cell: Cell) -> None:
+    """``run_cell`` with ``gather=[unwrapped.lm_head]`` passed to every route_loss call: exact."""
 
     def gathering(model: nn.Module, unwrapped: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return route_loss(model, unwrapped, fn, *args, gather=[unwrapped.lm_head], **kwargs)
 
     with mock.patch.object(cell_module, "route_loss", gathering):
-        return run_cell(cell)
+        result = run_cell(cell)
+    what = f"{cell.label()} with gather="
+    assert result.error is None, f"{what}: {result.error}"
+    assert result.params > 0 and result.differ == 0, f"{what}: {result.differ} of {result.params} gradients differ"
+    assert result.max_ref_diff <= REFERENCE_TOLERANCE, f"{what}: gradients {result.max_ref_diff:.3g} from one process's"
 
 
 def time_zero3_gathering(steps: int, gather: bool) -> float:
-    """Seconds per routed fused-CE step under ZeRO-3 (persistence 0, vocab 8192 so the head is sizeable)."""
+    """Seconds per routed fused-CE step under ZeRO-3 (persistence 0, vocab 8192 so the head is sizeable):
+    returned, for the test to set the two ways side by side."""
     from wrapperroute.check.losses import LOSSES, make_batch
     from wrapperroute.check.wrap_deepspeed import build_zero
 
@@ -48,31 +53,33 @@ def time_zero3_gathering(steps: int, gather: bool) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def zero_detection(stage: int) -> dict[str, Any]:
+def zero_detection(stage: int) -> None:
+    """A ZeRO ``stage`` engine (gradient accumulation 2) detected as DeepSpeed, its details read, its module the
+    inner one; compiled, the same engine under a compile layer."""
     from wrapperroute.check.wrap_deepspeed import build_zero
 
     wrapped = build_zero(build_model(TinyConfig()), {"stage": stage, "gradient_accumulation_steps": 2})
     found = detect(wrapped.model)
+    assert found.kind == "deepspeed", f"ZeRO-{stage} detected as {found.kind}"
+    assert found.chain == ("deepspeed", "module"), f"ZeRO-{stage}'s chain: {found.chain}"
+    details = {"zero_stage": stage, "gradient_accumulation_steps": 2}
+    assert found.details == details, f"ZeRO-{stage}'s details: {found.details}, not {details}"
+    assert found.inner is wrapped.inner, f"the inner module found is a {type(found.inner).__name__}, not the engine's"
     compiled = detect(torch.compile(wrapped.model))  # type: ignore[arg-type]
-    return {
-        "kind": found.kind,
-        "chain": found.chain,
-        "details": found.details,
-        "inner_ok": found.inner is wrapped.inner,
-        "compiled_chain": compiled.chain,
-        "compiled_wrapper_ok": compiled.wrapper is wrapped.model,
-    }
+    assert compiled.chain == ("compile", "deepspeed", "module"), f"compiled ZeRO-{stage}'s chain: {compiled.chain}"
+    assert compiled.wrapper is wrapped.model, f"compiled, the wrapper found is {type(compiled.wrapper).__name__}"
 
 
-def zero3_bad_gather() -> str:
+def zero3_bad_gather() -> None:
     """gather= naming a module that is not in the engine's model: a clear RouteValueError."""
     from wrapperroute.check.wrap_deepspeed import build_zero
     from wrapperroute.errors import RouteValueError
 
     wrapped = build_zero(build_model(TinyConfig()), {"stage": 3})
     stranger = nn.Linear(2, 2)
+    message = "no error"
     try:
         route_loss(wrapped.model, wrapped.inner, lambda: torch.zeros(()), gather=[stranger])
     except RouteValueError as error:
-        return str(error)
-    return "no error"
+        message = str(error)
+    assert "is not inside model" in message, f"gather= of a module outside the model: {message}"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -12,9 +10,10 @@ from wrapperroute.check.losses import LOSSES, make_batch
 from wrapperroute.check.models import TinyConfig, build_model
 
 
-def agree_on_sub_meshes() -> dict[str, Any]:
+def agree_on_sub_meshes() -> None:
     """Two FSDP2 models on disjoint halves of the world (ranks 0-1 and 2-3), each step with ``agree=True``;
-    rank 1's loss fails. Only its own half must hear of it: the other half's step is not that wrapper's."""
+    rank 1's loss fails. Only its own half hears of it (ranks 0 and 1 raise, naming rank 1 of [0, 1]): the
+    other half's step is not that wrapper's, and steps on."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -30,14 +29,16 @@ def agree_on_sub_meshes() -> dict[str, Any]:
             raise ValueError("only rank 1 fails")
         return value
 
-    outcome: dict[str, Any] = {"rank": rank}
+    raised = None
     try:
         route_loss(model, model, loss, agree=True).backward()
-        outcome["raised"] = None
     except (RouteStateError, ValueError) as error:
-        outcome["raised"] = f"{type(error).__name__}: {error}"
-    dist.barrier()  # the pool's own group: every rank is back in step
-    return outcome
+        raised = f"{type(error).__name__}: {error}"
+    dist.barrier()  # the pool's own group: every rank is back in step (and reaches its assert)
+    if rank < 2:
+        assert "failed on rank(s) [1] of [0, 1]" in (raised or ""), f"rank {rank}, in the failing half: {raised}"
+    else:
+        assert raised is None, f"rank {rank}, in the other half: {raised}"
 
 
 def experts_over_ep() -> None:

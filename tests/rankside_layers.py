@@ -13,9 +13,10 @@ from wrapperroute.check.losses import fused_cross_entropy
 from wrapperroute.check.models import TinyConfig, build_model
 
 
-def layered_route(order: str, routed: bool) -> dict[str, Any]:
-    """Wrap the tiny model in LoRA (PEFT), DDP and torch.compile in ``order``; route a fused CE with
-    ``unwrapped=None`` and report the detected chain and how many trainable gradients differ across ranks."""
+def _layered_step(order: str, routed: bool) -> tuple[Any, nn.Module, dict[str, torch.Tensor], int]:
+    """Wrap the tiny model in LoRA (PEFT), DDP and torch.compile in ``order``; one fused-CE backward, routed
+    with ``unwrapped=None`` or not: (what detect found, the base model, the trainable gradients, how many of
+    them differ across ranks)."""
     from peft import LoraConfig, get_peft_model
     from torch.nn.parallel import DistributedDataParallel
 
@@ -43,6 +44,20 @@ def layered_route(order: str, routed: bool) -> dict[str, Any]:
     )
     loss.backward()
     grads = {n: p.grad for n, p in inner.named_parameters() if p.grad is not None}
-    differ, worst = differing_across_ranks(grads)
-    return {"chain": found.chain, "kind": found.kind, "inner_is_base": inner is base, "params": len(grads),
-            "differ": differ, "max_rank_diff": worst}
+    differ, _ = differing_across_ranks(grads)
+    return found, base, grads, differ
+
+
+def layered_route(order: str, chain: tuple[str, ...]) -> None:
+    """Layered in ``order``: detected as ``chain`` around DDP, the inner module the base model, and the routed
+    loss leaves every trainable gradient in sync."""
+    found, base, grads, differ = _layered_step(order, routed=True)
+    assert found.chain == chain and found.kind == "ddp", f"{order}: detected {found.kind}, {found.chain}"
+    assert found.inner is base, f"{order}: the inner module found is a {type(found.inner).__name__}, not the base"
+    assert grads and differ == 0, f"{order}, routed: {differ} of {len(grads)} gradients differ across ranks"
+
+
+def layered_unrouted_differs(order: str) -> None:
+    """Layered in ``order``, the loss not routed: the ranks' gradients differ (the premise)."""
+    _, _, grads, differ = _layered_step(order, routed=False)
+    assert differ > 0, f"{order}, unrouted: all {len(grads)} gradients agree across ranks, the bug does not show"

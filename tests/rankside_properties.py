@@ -1,5 +1,5 @@
-"""Rank bodies for tests/test_properties.py: random module trees through real wrappers, gradient truth for
-every example (module level: the pool pickles them by reference)."""
+"""Rank bodies for tests/test_properties.py: random module trees through real wrappers, gradient truth asserted
+for every example (module level: the pool pickles them by reference)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from wrapperroute import detect, route_loss
-from wrapperroute.check.cell import differing_across_ranks, max_grad_diff
+from wrapperroute.check.cell import REFERENCE_TOLERANCE, differing_across_ranks, max_grad_diff
 from wrapperroute.check.wrappers import WRAPPERS, build_none
 
 
@@ -71,8 +71,9 @@ def _tree_loss(model: Any, x: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return torch.nn.functional.cross_entropy(logits, labels)  # this rank's mean over its own rows
 
 
-def tree_truth(spec: dict[str, Any]) -> dict[str, Any]:
-    """Gradient truth for one random tree, wrapper, per-rank batch sizes and nesting of route_loss calls.
+def tree_truth(spec: dict[str, Any]) -> None:
+    """Gradient truth for one random tree, wrapper, per-rank batch sizes and nesting of route_loss calls: every
+    gradient the same on every rank and within REFERENCE_TOLERANCE of the reference's, no forward left.
 
     Reference (DDP's and FSDP's promise): gradients are averaged over ranks, each rank's loss being the mean
     over its own rows, so a single process computes mean over ranks of per-rank mean losses, not the mean over
@@ -105,8 +106,11 @@ def tree_truth(spec: dict[str, Any]) -> dict[str, Any]:
     ref = reference.full_grads()
     target = detect(wrapped.model)
     forward_left = "forward" in target.adapter.redirect_target(target.wrapper).__dict__  # type: ignore[union-attr,arg-type]
-    return {"differ": differ, "max_ref_diff": max_grad_diff(grads, ref), "params": len(grads),
-            "forward_left": forward_left}  # fmt: skip
+    ref_diff = max_grad_diff(grads, ref)
+    assert grads, f"no gradient to compare: {spec}"
+    assert not forward_left, f"an instance forward left on the wrapper's target: {spec}"
+    assert differ == 0, f"{differ} of {len(grads)} parameters' gradients differ across ranks: {spec}"
+    assert ref_diff <= REFERENCE_TOLERANCE, f"gradients {ref_diff:.3g} from the reference's: {spec}"
 
 
 def _clone_tree(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
@@ -115,5 +119,6 @@ def _clone_tree(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
     return clone
 
 
-def tree_truth_many(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [tree_truth(spec) for spec in specs]
+def tree_truth_many(specs: list[dict[str, Any]]) -> None:
+    for spec in specs:
+        tree_truth(spec)

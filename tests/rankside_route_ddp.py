@@ -1,4 +1,5 @@
-"""Rank bodies for tests/test_route_ddp.py (module level: the pool pickles them by reference)."""
+"""Rank bodies for tests/test_route_ddp.py (module level: the pool pickles them by reference). Each asserts its
+facts where it finds them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from wrapperroute import route_loss
-from wrapperroute.check.cell import Cell, differing_across_ranks, run_cell
+from wrapperroute.check.cell import REFERENCE_TOLERANCE, Cell, CellResult, differing_across_ranks, run_cell
 from wrapperroute.check.losses import fused_cross_entropy
 from wrapperroute.check.models import TinyCausalLM, TinyConfig, build_model
 
@@ -28,20 +29,28 @@ def _grads(model: TinyCausalLM) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def no_sync_skips_allreduce() -> dict[str, Any]:
+def _exact(result: CellResult, what: str) -> None:
+    assert result.error is None, f"{what}: {result.error}"
+    assert result.differ == 0, f"{what}: {result.differ} of {result.params} parameters' gradients differ across ranks"
+    assert result.max_ref_diff <= REFERENCE_TOLERANCE, f"{what}: gradients {result.max_ref_diff:.3g} from one process's"
+
+
+def no_sync_skips_allreduce() -> None:
     """Inside no_sync a routed backward must not all-reduce; at the sync step it must."""
     model = build_model(CONFIG)
     ddp = DDP(model)
     ids, labels = _batch(dist.get_rank())
     with ddp.no_sync():
         route_loss(ddp, model, fused_cross_entropy, model, ids, labels).backward()
+    params = len(_grads(model))
     differ_inside, _ = differing_across_ranks(_grads(model))
+    assert differ_inside == params, f"inside no_sync {params - differ_inside} of {params} gradients were all-reduced"
     route_loss(ddp, model, fused_cross_entropy, model, ids, labels).backward()
     differ_after, _ = differing_across_ranks(_grads(model))
-    return {"differ_inside": differ_inside, "differ_after": differ_after, "params": len(_grads(model))}
+    assert differ_after == 0, f"after the sync step {differ_after} of {params} gradients differ across ranks"
 
 
-def fn_raises_then_exact() -> dict[str, Any]:
+def fn_raises_then_exact() -> None:
     """An exception inside fn: forward restored, no attribute left, the next routed step exact."""
     model = build_model(CONFIG)
     ddp = DDP(model)
@@ -51,13 +60,14 @@ def fn_raises_then_exact() -> dict[str, Any]:
         raised = None
     except ValueError as error:
         raised = str(error)
-    restored = "forward" not in model.__dict__ and set(model.__dict__) == set(before)
+    assert raised == "boom inside the loss", f"fn's ValueError became {raised}"
+    left = set(model.__dict__) ^ set(before)
+    assert "forward" not in model.__dict__ and not left, f"the inner module was not left as it was: {left}"
     del ddp, model
-    after = run_cell(Cell(loss="fused_ce", steps=2))
-    return {"raised": raised, "restored": restored, "after": after}
+    _exact(run_cell(Cell(loss="fused_ce", steps=2)), "the next routed steps")
 
 
-def nested_runs_once() -> dict[str, Any]:
+def nested_runs_once() -> None:
     """route_loss inside fn, on the same wrapper, runs directly: the DDP forward is entered once."""
     model = build_model(CONFIG)
     ddp = DDP(model)
@@ -70,7 +80,9 @@ def nested_runs_once() -> dict[str, Any]:
 
     route_loss(ddp, model, outer).backward()
     differ, _ = differing_across_ranks(_grads(model))
-    return {"forward_calls": len(calls), "differ": differ, "forward_left": "forward" in model.__dict__}
+    assert len(calls) == 1, f"the DDP forward was entered {len(calls)} times"
+    assert differ == 0, f"{differ} parameters' gradients differ across ranks"
+    assert "forward" not in model.__dict__, "an instance forward was left on the model"
 
 
 @dataclasses.dataclass
@@ -80,9 +92,9 @@ class LossOutput:
     note: str
 
 
-def pytree_outputs(find_unused: bool) -> dict[str, Any]:
-    """fn may return a tuple, dict, dataclass or ModelOutput; DDP's output walk keeps the structure."""
-    results: dict[str, Any] = {}
+def pytree_outputs(find_unused: bool) -> None:
+    """fn may return a tuple, dict, dataclass or ModelOutput; DDP's output walk keeps the structure, and the loss
+    in it is in sync."""
     model = build_model(CONFIG)
     ddp = DDP(model, find_unused_parameters=find_unused)
     ids, labels = _batch(dist.get_rank())
@@ -97,14 +109,14 @@ def pytree_outputs(find_unused: bool) -> dict[str, Any]:
         loss = fused_cross_entropy(model, ids, labels)
         return LossOutput(loss, loss.detach() * 0, "dc")
 
-    shapes = {}
-    for name, fn in (("tuple", as_tuple), ("dict", as_dict), ("dataclass", as_dataclass)):
+    for name, fn, kind in (("tuple", as_tuple, "tuple"), ("dict", as_dict, "dict"),
+                           ("dataclass", as_dataclass, "LossOutput")):  # fmt: skip
         out = route_loss(ddp, model, fn)
         loss = out[0] if name == "tuple" else out["loss"] if name == "dict" else out.loss
         loss.backward()
-        shapes[name] = type(out).__name__
+        assert type(out).__name__ == kind, f"fn returned a {kind}, route_loss a {type(out).__name__}"
         differ, _ = differing_across_ranks(_grads(model))
-        results[name] = differ
+        assert differ == 0, f"the loss in a {kind}: {differ} parameters' gradients differ across ranks"
         model.zero_grad(set_to_none=True)
     try:
         from transformers.modeling_outputs import CausalLMOutput
@@ -114,14 +126,13 @@ def pytree_outputs(find_unused: bool) -> dict[str, Any]:
 
         out = route_loss(ddp, model, as_model_output)
         out.loss.backward()
-        shapes["model_output"] = type(out).__name__
-        results["model_output"] = differing_across_ranks(_grads(model))[0]
+        differ = differing_across_ranks(_grads(model))[0]
+        assert differ == 0, f"the loss in a ModelOutput: {differ} parameters' gradients differ across ranks"
     except ImportError:
         pass
-    return {"differ": results, "types": shapes}
 
 
-def threads_keep_their_payloads() -> dict[str, Any]:
+def threads_keep_their_payloads() -> None:
     """Two threads route through one DDP model at once (no grad, so the reducer stays out of it): each gets
     its own result and the forward is restored once both are done."""
     model = build_model(CONFIG)
@@ -145,7 +156,9 @@ def threads_keep_their_payloads() -> dict[str, Any]:
     # DDP's forward marker may now be stale (overlapping forwards in two threads): the next route clears it.
     with torch.no_grad():
         route_loss(ddp, model, lambda: None)
-    return {"got": got, "forward_left": "forward" in model.__dict__, "marker_left": _marker_left()}
+    assert got == {"a": "a", "b": "b"}, f"each thread's result, by its tag: {got}"
+    assert "forward" not in model.__dict__, "an instance forward was left on the model"
+    assert not _marker_left(), "the next routed call left DDP's forward marker set"
 
 
 def _marker_left() -> bool:
@@ -166,7 +179,7 @@ class _Held(torch.nn.Module):
         return fused_cross_entropy(self.inner, ids, labels)
 
 
-def stale_ddp_marker() -> dict[str, Any]:
+def stale_ddp_marker() -> None:
     """DDP saves and restores its class-wide forward marker per call, so forwards overlapping in two threads
     (A enters, B enters, A exits, B exits) leave it pointing at A after both ended. A stale marker must neither
     make route_loss skip the forward (a silent desync: it would look like a call from inside A's forward) nor
@@ -200,13 +213,15 @@ def stale_ddp_marker() -> dict[str, Any]:
 
     route_loss(held, held.module, fn).backward()
     differ, _ = differing_across_ranks(_grads(model))
-    return {"stale_before": stale, "routed": entered == [True], "differ": differ, "marker_left": _marker_left()}
+    assert stale, "the scenario must leave DDP's marker stale, or it proves nothing"
+    assert entered == [True], f"the loss ran inside DDP's forward, per call: {entered}"
+    assert differ == 0, f"{differ} parameters' gradients differ across ranks"
+    assert not _marker_left(), "the routed call left DDP's stale forward marker set"
 
 
-def compiled_layers() -> dict[str, Any]:
+def compiled_layers() -> None:
     """compile(DDP(model)) and DDP(compile(model)) both route through DDP's forward; the OptimizedModule's
     own instance forward (which DDP calls in the second layout) is swapped and then put back."""
-    out = {}
     for layout in ("compile_outside", "compile_inside"):
         model = build_model(CONFIG)
         wrapped = torch.compile(DDP(model)) if layout == "compile_outside" else DDP(torch.compile(model))
@@ -215,23 +230,21 @@ def compiled_layers() -> dict[str, Any]:
         ids, labels = _batch(dist.get_rank())
         route_loss(wrapped, model, fused_cross_entropy, model, ids, labels).backward()
         differ, _ = differing_across_ranks(_grads(model))
-        out[layout] = {
-            "differ": differ,
-            "forward_restored": target.__dict__.get("forward") is forward_before,
-            "target": type(target).__name__,
-        }
-    return out
+        assert differ == 0, f"{layout}: {differ} parameters' gradients differ across ranks"
+        forward = target.__dict__.get("forward")
+        assert forward is forward_before, f"{layout}: {type(target).__name__}.forward {forward_before}, now {forward}"
 
 
-def saved_tensor_hooks_after(mode: str) -> dict[str, Any]:
+def saved_tensor_hooks_after(mode: str, expect: str) -> None:
     """A failed compile inside a torch.func transform must not leave saved-tensor hooks disabled (they are
-    what gradient checkpointing runs on), whether the error is re-raised or the fallback engages."""
+    what gradient checkpointing runs on), whether the error is re-raised (``expect="crash"``) or the fallback
+    engages (``expect="fallback"``)."""
     result = run_cell(Cell(loss="liger_dpo", mode=mode, fresh_compile=True))  # type: ignore[arg-type]
-    return {
-        "error": result.error,
-        "fell_back": result.fell_back,
-        "hooks": bool(torch._C._autograd._saved_tensors_hooks_is_enabled()),
-    }
+    assert torch._C._autograd._saved_tensors_hooks_is_enabled(), f"mode={mode}: saved-tensor hooks left disabled"
+    if expect == "fallback":
+        assert result.fell_back and result.error is None, f"mode={mode}: fell back {result.fell_back}, {result.error}"
+    else:
+        assert result.error is not None and "TensorWrapper" in result.error, f"mode={mode}: {result.error}"
 
 
 class _ReplacesInputs(DDP):
@@ -245,7 +258,7 @@ class _ReplacesInputs(DDP):
         return super().forward(*[object() for _ in inputs], **kwargs)
 
 
-def token_replaced_by_wrapper() -> dict[str, Any]:
+def token_replaced_by_wrapper() -> None:
     """A wrapper that replaces our call token: the loss never ran inside its forward. If the wrapper then
     fails, its error says the loss did not run; if it returns, route_loss raises instead of returning whatever
     the wrapper made. The forward is restored either way."""
@@ -253,15 +266,17 @@ def token_replaced_by_wrapper() -> dict[str, Any]:
     model = build_model(CONFIG)
     ddp = _ReplacesInputs(model)
     ids, labels = _batch(dist.get_rank())
-    out: dict[str, Any] = {}
     for swallow in (False, True):
         ddp.swallow = swallow
+        kind, message = "returned", ""
         try:
             with torch.no_grad():
                 route_loss(ddp, model, fused_cross_entropy, model, ids, labels)
-            out[f"swallow={swallow}"] = ("returned", "")
         except Exception as error:
             note = " ".join(getattr(error, "__notes__", []))
-            out[f"swallow={swallow}"] = (type(error).__name__, f"{error} {note}")
-    out["forward_left"] = "forward" in model.__dict__ or "forward" in ddp.__dict__
-    return out
+            kind, message = type(error).__name__, f"{error} {note}"
+        if swallow:  # the wrapper returned without the loss: route_loss raises instead of returning its output
+            assert kind == "RouteStateError" and "without running the loss" in message, f"{kind}: {message}"
+        else:  # the wrapper's own error, annotated
+            assert kind != "returned" and "before the loss ran" in message, f"{kind}: {message}"
+    assert "forward" not in model.__dict__ and "forward" not in ddp.__dict__, "an instance forward was left"

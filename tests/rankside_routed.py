@@ -3,7 +3,7 @@ subclass under DDP (module level: the pool pickles them by reference). Everythin
 Llama from a config, a WordLevel tokenizer): nothing is downloaded.
 
 Gradient truth is the upstream measurement: after one training step, every parameter's gradient is compared
-across ranks (one all-gather, ``ranklib.measure``); the ranks see different data.
+across ranks (one all-gather, ``ranklib.measure``); the ranks see different data. Each body asserts it there.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ class _Plain:
         return shifted_fused_ce(model, inputs["input_ids"])
 
 
-def routed_functions_ddp() -> dict[str, Any]:
-    """Each way of calling a routed loss under DDP: 0 differ; the undecorated function: all differ."""
+def routed_functions_ddp() -> None:
+    """Each way of calling a routed loss under DDP: 0 differ, bit-equal; the undecorated function: all differ
+    (the bug shows). The body sees the unwrapped model, not DDP."""
     config = TinyConfig()
     ids = torch.randint(0, config.vocab, (2, config.seq), generator=torch.Generator().manual_seed(dist.get_rank()))
     loop = _Loop()
@@ -60,13 +61,17 @@ def routed_functions_ddp() -> dict[str, Any]:
         "model_arg": lambda ddp: loop.distill(None, ddp, ids),
         "decorated_bound": lambda ddp: routed(_Plain().compute_loss)(ddp, {"input_ids": ids}),
     }
-    results: dict[str, Any] = {"seen": routed(lambda model: type(model).__name__)(DDP(build_model(config)))}
+    seen = routed(lambda model: type(model).__name__)(DDP(build_model(config)))
+    assert seen == "TinyCausalLM", f"the routed body saw a {seen}, not the unwrapped model"
     for name, call in calls.items():
         model = build_model(config)
         ddp = DDP(model)
         call(ddp).backward()
-        results[name] = measure(whole_grads(model))
-    return results
+        cell = measure(whole_grads(model))
+        if name == "undecorated":
+            assert cell["differ"] == cell["params"] > 0, f"the undecorated loss must show the bug: {cell}"
+        else:
+            assert cell["differ"] == 0 and cell["max_diff"] == 0.0, f"{name}: gradients differ across ranks: {cell}"
 
 
 # --- HF Trainer with @routed --------------------------------------------------------------------------------
@@ -86,7 +91,9 @@ def _trainer_body(self: Any, model: Any, inputs: dict[str, torch.Tensor], return
     return (loss, None) if return_outputs else loss
 
 
-def hf_trainer_routed(decorated: bool) -> dict[str, Any]:
+def hf_trainer_routed(decorated: bool) -> None:
+    """One step of an HF ``Trainer`` subclass whose ``compute_loss`` reads ``lm_head.weight`` itself, under DDP:
+    ``@routed``, bit-equal gradients across ranks; undecorated, every gradient differs (the bug shows)."""
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
@@ -103,5 +110,10 @@ def hf_trainer_routed(decorated: bool) -> dict[str, Any]:
         )
         trainer.train()
     wrapper = type(trainer.model_wrapped).__name__
-    return {**measure(probe.grads), "wrapper": wrapper}
+    assert wrapper == "DistributedDataParallel", f"the Trainer wrapped the model in {wrapper}"
+    cell = measure(probe.grads)
+    if decorated:
+        assert cell["differ"] == 0 and cell["max_diff"] == 0.0, f"@routed compute_loss: gradients differ: {cell}"
+    else:
+        assert cell["differ"] == cell["params"] > 0, f"the undecorated compute_loss must show the bug: {cell}"
 

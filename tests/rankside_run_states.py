@@ -17,7 +17,7 @@ from wrapperroute.check.cell import REFERENCE_TOLERANCE, differing_across_ranks,
 from wrapperroute.check.losses import LOSSES, make_batch
 
 
-def raised_forward_then_exact(wrapper: str, opts: dict[str, Any], step_after: bool) -> dict[str, Any]:
+def raised_forward_then_exact(wrapper: str, opts: dict[str, Any], step_after: bool) -> None:
     """A routed step's backward, then a plain ``model(batch)`` raising inside the wrapper's forward (a token id
     out of range: the batch a loop skips), the optimizer's step after it (``step_after``: so the parameters that
     failed forward gathered are stale) or before it, then two routed steps, each against one process on the
@@ -32,35 +32,34 @@ def raised_forward_then_exact(wrapper: str, opts: dict[str, Any], step_after: bo
     if not step_after:
         wrapped.step()
     bad = torch.full((2, rr.CONFIG.seq), rr.CONFIG.vocab + 7)
+    raised = None
     try:
         wrapped.model(bad)
-        raised = None
     except Exception as error:
         raised = type(error).__name__
+    assert raised is not None, "a forward on token ids out of range did not raise"
     # what fooled a check of "inside the forward" that read the wrapper's own state
     stale = found.adapter.marks_forward(found.wrapper)  # type: ignore[union-attr,arg-type]
+    # the premise (DDP restores its marker itself)
+    assert stale == (wrapper != "ddp"), f"after the forward raised {raised}, the wrapper's in-forward mark is {stale}"
     if step_after:
         wrapped.step()
     batches = [make_batch(case, rr.CONFIG, r, 0, 0) for r in range(world)]
     (case.compute(reference.model, case.concat(batches), {}) * wrapped.loss_scale).backward()  # type: ignore[arg-type]
     reference.step()
-    steps = [rr.truth_step(wrapped, reference, step) for step in (1, 2)]
-    assert raised is not None
-    assert stale == (wrapper != "ddp"), stale  # the premise (DDP restores its marker itself)
-    for step in steps:
-        assert step["params"] and step["differ"] == 0 and step["max_ref_diff"] <= REFERENCE_TOLERANCE, steps
-    return {"raised": raised, "stale_mark": stale, "steps": steps}
+    for step in (1, 2):
+        rr.truth_step(wrapped, reference, step, after=f"a plain forward that raised {raised}")
 
 
-def nan_and_dtype_reports() -> dict[str, Any]:
-    """check_grad_sync on DDP gradients set by hand: NaN on rank 1 only; NaN alike on both ranks; a float64
-    difference below float32's resolution on rank 1."""
+def nan_and_dtype_reports() -> None:
+    """check_grad_sync on DDP gradients set by hand compares values as they are: NaN on rank 1 only differs
+    (and is named non-finite); NaN alike on both ranks does not differ (but is named); a float64 difference
+    below float32's resolution on rank 1 differs, by its own size; equal gradients report nothing."""
     from torch.nn.parallel import DistributedDataParallel
 
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).double())
-    found: dict[str, Any] = {}
     for case in ("nan_on_rank1", "nan_alike", "float64_tiny", "equal"):
         for param in model.parameters():
             param.grad = torch.ones_like(param)
@@ -72,33 +71,43 @@ def nan_and_dtype_reports() -> dict[str, Any]:
         if case == "float64_tiny" and rank == 1:
             first[2, 2] += 1e-12  # 1 + 1e-12 is 1 in float32
         report = check_grad_sync(model)
-        found[case] = {"differing": report.differing, "nonfinite": list(report.nonfinite),
-                       "worst": [name for name, _ in report.worst], "max": report.max_abs_diff,
-                       "float32_equal": bool(torch.equal(first.float(), torch.ones_like(first).float()))}  # fmt: skip
-    return found
+        found = {"differing": report.differing, "nonfinite": list(report.nonfinite),
+                 "worst": [name for name, _ in report.worst], "max": report.max_abs_diff}  # fmt: skip
+        if case == "nan_on_rank1":
+            assert found["differing"] == 1 and found["worst"] == ["0.weight"], f"{case}: {found}"
+            assert found["nonfinite"] == ["0.weight"], f"{case}: {found}"
+        elif case == "nan_alike":
+            assert found["differing"] == 0 and found["nonfinite"] == ["0.weight"], f"{case}: {found}"
+        elif case == "float64_tiny":
+            assert found["differing"] == 1 and abs(found["max"] - 1e-12) <= 1e-14, f"{case}: {found}"
+            # the premise: float32 cannot see this difference
+            assert torch.equal(first.float(), torch.ones_like(first).float()), "float32 sees the 1e-12 difference"
+        else:
+            assert found == {"differing": 0, "nonfinite": [], "worst": [], "max": 0.0}, f"{case}: {found}"
 
 
-def agree_after_new_process_group(store: str) -> dict[str, Any]:
+def agree_after_new_process_group(store: str) -> None:
     """``route_loss(..., agree=True)`` exact, then the default group destroyed and made again (a notebook
     re-running its set-up cell), then routed with ``agree=True`` again on a new DDP: exact. The premise: the
     side group made under the first default group is unknown to the second."""
     from wrapperroute._groups import side_group
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    before = _agreed_step()
+    _agreed_step("before the group is made again")
     old = side_group(tuple(range(world)))
     dist.destroy_process_group()
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    dead = None
     try:
         dist.get_backend(old)  # what the flag exchange asked of the side group it kept
-        dead = None
     except Exception as error:
         dead = f"{type(error).__name__}: {error}"
-    after = _agreed_step()
-    return {"before": before, "after": after, "old_side_group": dead}
+    assert dead is not None, "the side group kept from the first default group still answers: the premise fails"
+    _agreed_step("after the group is made again")
 
 
-def _agreed_step() -> dict[str, Any]:
+def _agreed_step(when: str) -> None:
+    """One routed step with agree=True on a new DDP: exact."""
     wrapped, reference = rr.build("ddp")
     case = LOSSES["fused_ce"]
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -108,15 +117,16 @@ def _agreed_step() -> dict[str, Any]:
     grads = wrapped.full_grads()
     batches = [make_batch(case, rr.CONFIG, r, 0, 0) for r in range(world)]
     case.compute(reference.model, case.concat(batches), {}).backward()  # type: ignore[arg-type]
-    return {"differ": differing_across_ranks(grads)[0], "max_ref_diff": max_grad_diff(grads, reference.full_grads()),
-            "params": len(grads)}  # fmt: skip
+    differ, ref_diff = differing_across_ranks(grads)[0], max_grad_diff(grads, reference.full_grads())
+    assert grads and differ == 0, f"{when}: {differ} of {len(grads)} parameters' gradients differ across ranks"
+    assert ref_diff <= REFERENCE_TOLERANCE, f"{when}: gradients {ref_diff:.3g} from one process's on the global batch"
 
 
 def _summed(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).sum()
 
 
-def unrouted_warning_lines() -> dict[str, Any]:
+def unrouted_warning_lines() -> None:
     """Where UnroutedModelWarning points when reached through route_loss, a partial of it, and a helper of the
     user's: the first line outside wrapperroute (here, in this file), each time (a new model each time: the
     warning is said once per model)."""
@@ -127,7 +137,6 @@ def unrouted_warning_lines() -> dict[str, Any]:
         line = sys._getframe().f_lineno + 1
         return route_loss(model, model, lambda: model(x).sum()), line
 
-    found = {}
     x = torch.ones(2, 4)
     for way in ("route_loss", "partial", "helper"):
         model = torch.nn.Linear(4, 4)
@@ -142,6 +151,5 @@ def unrouted_warning_lines() -> dict[str, Any]:
                 functools.partial(route_loss, model, model, total)()
             else:
                 _, line = helper(model, x)
-        said = [w for w in caught if type(w.message).__name__ == "UnroutedModelWarning"]
-        found[way] = [(w.filename, w.lineno) for w in said], (__file__, line)
-    return found
+        said = [(w.filename, w.lineno) for w in caught if type(w.message).__name__ == "UnroutedModelWarning"]
+        assert said == [(__file__, line)], f"through {way}: said at {said}, not once at this file's line {line}"

@@ -100,10 +100,10 @@ class Twin:
             with self.wrapped.no_sync():
                 self.backward(self.loss(ids, labels))
         elif event == "step":
-            assert self.optimizer is not None
+            assert self.optimizer is not None, f"{self.wrapper} steps in its engine: no 'step' event for it"
             self.optimizer.step()
         elif event == "zero_grad":
-            assert self.optimizer is not None
+            assert self.optimizer is not None, f"{self.wrapper} zeroes in its engine: no 'zero_grad' event for it"
             self.optimizer.zero_grad(set_to_none=True)
         elif event == "plain_forward":
             self.wrapped.model(ids)  # a forward whose output is used for nothing (a probe, a metric)
@@ -143,7 +143,7 @@ class Twin:
             return
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        assert self.optimizer is not None
+        assert self.optimizer is not None, f"{self.wrapper} has no optimizer of its own to save"
         self.saved = copy.deepcopy(get_state_dict(self.holder, self.optimizer))
 
     def load(self) -> None:
@@ -193,70 +193,72 @@ def batch(seed: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.roll(ids, -1, dims=1)
 
 
-def play(wrapper: str, events: list[str], seed: int, folder: str) -> list[dict[str, Any]]:
-    """Play ``events`` on both twins; after each, what differs between them and what check_grad_sync says."""
-    routed = Twin(wrapper, True, f"{folder}/routed")
-    native = Twin(wrapper, False, f"{folder}/native")
-    facts = []
-    for index, event in enumerate(events):
-        ids, labels = batch(seed, index)
-        outcomes = []
-        for twin in (routed, native):
-            try:
-                twin.play(event, ids, labels)
-                outcomes.append(None)
-            except Exception as error:
-                outcomes.append(f"{type(error).__name__}: {error}")
-        a, b = routed.full_params(), native.full_params()
-        diffs = [float((a[n] - b[n]).abs().max()) for n in a]
-        report = check_grad_sync(routed.wrapped.model)
-        truth = None if wrapper in SHARDED else routed.grads_equal_across_ranks()
-        facts.append({
-            "event": event,
-            "routed_error": outcomes[0],
-            "native_error": outcomes[1],
-            "max_param_diff": max(diffs),
-            "bit_equal": all(torch.equal(a[n], b[n]) for n in a),
-            "finite": all(bool(torch.isfinite(t).all()) for t in a.values()),
-            "reported_in_sync": report.in_sync,
-            "compared": report.compared,
-            "truth_in_sync": truth,
-        })  # fmt: skip
-    return facts
-
-
 TOLERANCE = 1e-6
 
 
-def check(wrapper: str, facts: list[dict[str, Any]], events: list[str]) -> None:
-    """After every event: the same outcome, the same parameters, and check_grad_sync telling the truth."""
-    for index, fact in enumerate(facts):
-        where = f"{wrapper}, event {index} of {events}: {fact}"
-        assert fact["routed_error"] == fact["native_error"], where
-        assert float(fact["max_param_diff"]) <= TOLERANCE, where
-        if fact["truth_in_sync"] is None:  # sharded: nothing replicated, nothing reported
-            assert fact["compared"] == 0, where
-        else:
-            assert fact["reported_in_sync"] == fact["truth_in_sync"], where
+def _event_facts(wrapper: str, routed: Twin, native: Twin, event: str, ids: torch.Tensor,
+                 labels: torch.Tensor) -> dict[str, Any]:  # fmt: skip
+    """Play ``event`` on both twins: what each raised, how far apart their parameters are, and what
+    check_grad_sync says of the routed twin beside the truth (None: sharded, nothing replicated)."""
+    outcomes = []
+    for twin in (routed, native):
+        try:
+            twin.play(event, ids, labels)
+            outcomes.append(None)
+        except Exception as error:
+            outcomes.append(f"{type(error).__name__}: {error}")
+    a, b = routed.full_params(), native.full_params()
+    report = check_grad_sync(routed.wrapped.model)
+    return {
+        "event": event,
+        "routed_error": outcomes[0],
+        "native_error": outcomes[1],
+        "max_param_diff": max(float((a[n] - b[n]).abs().max()) for n in a),
+        "reported_in_sync": report.in_sync,
+        "compared": report.compared,
+        "truth_in_sync": None if wrapper in SHARDED else routed.grads_equal_across_ranks(),
+    }
+
+
+def _check_event(wrapper: str, index: int, events: list[str], fact: dict[str, Any]) -> None:
+    """After one event: the same outcome, the same parameters, and check_grad_sync telling the truth."""
+    where = f"{wrapper}, event {index} of {events}: {fact}"
+    assert fact["routed_error"] == fact["native_error"], where
+    assert float(fact["max_param_diff"]) <= TOLERANCE, where
+    if fact["truth_in_sync"] is None:  # sharded: nothing replicated, nothing reported
+        assert fact["compared"] == 0, where
+    else:
+        assert fact["reported_in_sync"] == fact["truth_in_sync"], where
 
 
 def play_and_check(wrapper: str, events: list[str], seed: int, folder: str) -> None:
-    check(wrapper, play(wrapper, events, seed, folder), events)
+    """Play ``events`` on both twins, each event's facts asserted as soon as it is played."""
+    routed = Twin(wrapper, True, f"{folder}/routed")
+    native = Twin(wrapper, False, f"{folder}/native")
+    for index, event in enumerate(events):
+        _check_event(wrapper, index, events, _event_facts(wrapper, routed, native, event, *batch(seed, index)))
 
 
-def play_skewed(folder: str) -> list[dict[str, Any]]:
-    """Two native DDP twins, one of which skips an optimizer step (what a loss run outside the wrapper does to
-    FSDP2: its gradients land where the optimizer does not look): the facts the check must reject."""
+def skewed_run_is_caught(folder: str) -> None:
+    """The premise, native against native: two DDP twins, one of which skips an optimizer step (what a loss run
+    outside the wrapper does to FSDP2: its gradients land where the optimizer does not look). The check passes
+    the first event and rejects the skipped step, event 1."""
     first = Twin("ddp", False, f"{folder}/a")
     second = Twin("ddp", False, f"{folder}/b")
-    facts = []
-    for index, event in enumerate(["train", "step", "train", "step"]):
+    events = ["train", "step", "train", "step"]
+    rejected = None
+    for index, event in enumerate(events):
         ids, labels = batch(0, index)
         first.play(event, ids, labels)
         if index != 1:
             second.play(event, ids, labels)
         a, b = first.full_params(), second.full_params()
         diff = max(float((a[n] - b[n]).abs().max()) for n in a)
-        facts.append({"routed_error": None, "native_error": None, "compared": 6, "reported_in_sync": True,
-                      "truth_in_sync": True, "max_param_diff": diff})  # fmt: skip
-    return facts
+        fact = {"routed_error": None, "native_error": None, "compared": 6, "reported_in_sync": True,
+                "truth_in_sync": True, "max_param_diff": diff}  # fmt: skip
+        if rejected is None:
+            try:
+                _check_event("ddp", index, events, fact)
+            except AssertionError:
+                rejected = index
+    assert rejected == 1, f"the check rejected event {rejected} of {events}, not the skipped step (event 1)"

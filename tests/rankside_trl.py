@@ -3,7 +3,7 @@ pickles them by reference). Real TRL trainer steps run ``wrapperroute.check.trl_
 ``check --trl``.
 
 Gradient truth is the upstream measurement: after one training step, every parameter's gradient is compared
-across ranks (one all-gather, ``ranklib.measure``); the ranks see different data.
+across ranks (one all-gather, ``ranklib.measure``) and asserted there; the ranks see different data.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from wrapperroute.check.models import TinyConfig, build_model
 from wrapperroute.check.trl_layouts import whole_grads
 
 
-def forward_redirection_ddp(use_trl: bool) -> dict[str, Any]:
-    """Our ForwardRedirection (or TRL's) under DDP on the fused loss: gradients synced, forward restored."""
+def forward_redirection_ddp(use_trl: bool) -> None:
+    """Our ForwardRedirection (or TRL's) under DDP on the fused loss: gradients synced (bit-equal, ours), and
+    ours restores the forward, where TRL's leaves an instance forward behind."""
     redirection_class: Any
     if use_trl:
         from trl.models.utils import _ForwardRedirection as redirection_class
@@ -33,4 +34,12 @@ def forward_redirection_ddp(use_trl: bool) -> dict[str, Any]:
     ddp = DDP(model)
     loss = redirection_class()(ddp, model, shifted_fused_ce, model, ids)
     loss.backward()
-    return {**measure(whole_grads(model)), "forward_left": "forward" in model.__dict__}
+    cell = measure(whole_grads(model))
+    whose = "TRL's" if use_trl else "ours"
+    assert cell["differ"] == 0, f"{whose}: gradients differ across ranks: {cell}"
+    left = "forward" in model.__dict__
+    if use_trl:
+        assert left, "TRL's redirection no longer leaves an instance forward: the comparison is stale"
+    else:
+        assert cell["max_diff"] == 0.0, f"ours: gradients not bit-equal across ranks: {cell}"
+        assert not left, "ours left an instance forward on the model"

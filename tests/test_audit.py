@@ -78,7 +78,9 @@ def test_desync_found_and_in_sync_passes(tmp_path: Path) -> None:
     bad = _audit(2, "ddp_train.py", "--loss", "module", audit=("--json", str(report)))
     final = _one_final(bad)
     written = json.loads(report.read_text())
-    assert written["verdict"] == "desync" and written["exit_status"] == 3 and written["final_line"] == final
+    assert written["verdict"] == "desync" and written["exit_status"] == 3 and written["final_line"] == final, (
+        f"the report written: {written}; the final line printed: {final}"
+    )
     start, first = written["checkpoints"][:2]  # the parameters before anything stepped, then step 1
     assert start["label"] == "before step 1" and not start["differences"] and first["label"] == "step 1", written
     assert first["differences"][0]["key"] == "ddp[0].lm_head.weight", written
@@ -100,7 +102,8 @@ def _assert_same_losses(audited: dict[str, Any]) -> None:
     def losses(out: str) -> list[tuple[str, ...]]:  # two ranks' lines can interleave on the launcher's stdout
         return sorted(re.findall(r"rank (\d+) step (\d+) loss (-?0x[0-9a-f.]+p[+-]\d+)", out))
 
-    assert len(losses(plain["out"])) == 10 and losses(plain["out"]) == losses(audited["out"])
+    assert len(losses(plain["out"])) == 10, f"the plain run printed {len(losses(plain['out']))} losses, not 10"
+    assert losses(plain["out"]) == losses(audited["out"]), "the audited run's losses differ from the plain run's"
 
 
 @pytest.mark.parametrize(
@@ -129,10 +132,10 @@ def test_real_trainers(trainer: str, tmp_path: Path) -> None:
     folder.mkdir()
     bad = _audit(2, "hf_trl.py", "--trainer", trainer, "--folder", str(folder))
     assert _one_final(bad).startswith("wrapperroute audit: DESYNC"), bad["out"][-2000:] + bad["err"][-3000:]
-    assert 3 in bad["rank_codes"]
+    assert 3 in bad["rank_codes"], f"no rank left with the desync status 3: {bad['rank_codes']}"
     good = _audit(2, "hf_trl.py", "--trainer", trainer, "--fix", "--folder", str(folder))
     assert _one_final(good).startswith("wrapperroute audit: in sync"), good["out"][-2000:] + good["err"][-3000:]
-    assert good["code"] == 0
+    assert good["code"] == 0, f"the fixed run exited {good['code']}: {good['err'][-2000:]}"
 
 
 @pytest.mark.parametrize("launcher", ["accelerate", "deepspeed"])
@@ -153,7 +156,7 @@ def test_through_other_launchers(launcher: str) -> None:
                    *script]  # fmt: skip
     run = _run(command)
     assert _one_final(run).startswith("wrapperroute audit: DESYNC"), run["out"][-2000:] + run["err"][-2000:]
-    assert run["code"] != 0
+    assert run["code"] != 0, "the desynced run exited 0"
 
 
 @pytest.mark.parametrize(
@@ -167,11 +170,12 @@ def test_through_other_launchers(launcher: str) -> None:
 def test_script_outcomes_kept(case: str, code: int, words: str) -> None:
     run = _audit(2, "small.py", "--case", case)
     assert words in _one_final(run), run["out"]
-    assert (run["code"] == 0) == (code == 0)
+    assert (run["code"] == 0) == (code == 0), f"the audit exited {run['code']}, the script {code}"
     if code:
         assert code in run["rank_codes"], run["err"][-2000:]
     if case == "raises":
-        assert "ValueError: the script's own failure" in run["err"]  # its own traceback, as Python prints it
+        # its own traceback, as Python prints it
+        assert "ValueError: the script's own failure" in run["err"], f"no traceback of its own: {run['err'][-2000:]}"
 
 
 def test_ctrl_c_ends_every_rank() -> None:
@@ -179,7 +183,7 @@ def test_ctrl_c_ends_every_rank() -> None:
                         "sleep")  # fmt: skip
     proc = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
-    assert proc.stdout is not None
+    assert proc.stdout is not None, "torchrun's output is not piped"
     seen = 0
     deadline = time.monotonic() + 120
     while seen < 4 and time.monotonic() < deadline:  # both ranks are stepping, audited every step
@@ -187,7 +191,7 @@ def test_ctrl_c_ends_every_rank() -> None:
     import psutil
 
     ranks = psutil.Process(proc.pid).children(recursive=True)
-    assert len(ranks) >= 2 and seen >= 4
+    assert len(ranks) >= 2 and seen >= 4, f"{len(ranks)} rank processes, {seen} steps seen before Ctrl-C"
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends to the whole foreground group
     try:
         proc.wait(timeout=60)
@@ -196,7 +200,7 @@ def test_ctrl_c_ends_every_rank() -> None:
         pytest.fail("torchrun did not end within 60 s of Ctrl-C")
     _, alive = psutil.wait_procs(ranks, timeout=30)
     assert not alive, f"ranks still running after Ctrl-C: {alive}"
-    assert proc.returncode != 0
+    assert proc.returncode != 0, "torchrun exited 0 after Ctrl-C"
 
 
 def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -205,7 +209,8 @@ def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     for args, words in ((["--steps", "0", "x.py"], "--steps takes a positive number"),
                         (["--on-desync", "loud", "x.py"], "--on-desync takes exit, raise or warn"),
                         ([], "no script to run"), (["missing.py"], "no such script: missing.py")):  # fmt: skip
-        assert main(["audit", *args]) == 2
+        code = main(["audit", *args])
+        assert code == 2, f"audit {args}: exit status {code}, not the usage error's 2"
         err = capsys.readouterr().err
         assert words in err and len(err.strip().splitlines()) == 1, err
 
@@ -215,7 +220,7 @@ def test_single_process_audits_nothing_and_says_so() -> None:
     command = [sys.executable, "-m", "wrapperroute", "audit", str(SCRIPTS / "small.py"), "--case", "nothing"]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "wrapperroute audit: nothing audited" in done.stdout
+    assert "wrapperroute audit: nothing audited" in done.stdout, f"the final line is missing: {done.stdout[-2000:]}"
 
 
 # --- the comparison itself, on the pool's ranks --------------------------------------------------------------
@@ -228,12 +233,7 @@ def test_compare_finds_the_one_differing_gradient(pool: RankPool, extra_on_rank:
     import rankside_audit
 
     for differ_at, expected in ((None, []), ("b", [("ddp[0].b", "gradient", 0.5)])):
-        results = pool.run(rankside_audit.compare_replicas, differ_at, extra_on_rank)
-        for rank, result in enumerate(results):
-            keys = 3 + (rank == extra_on_rank)
-            assert result["compared"] == 2 * keys, result
-            found = [(k, w, pytest.approx(d, abs=1e-6)) for k, w, d in result["differences"]]
-            assert found == expected, result  # a key only rank 1 holds has no copy to be compared with
+        pool.run(rankside_audit.compare_replicas, differ_at, extra_on_rank, expected)
 
 
 def test_repeated_comparison_costs_one_collective(pool: RankPool) -> None:
@@ -242,9 +242,8 @@ def test_repeated_comparison_costs_one_collective(pool: RankPool) -> None:
     compared, by the rows themselves."""
     import rankside_audit
 
-    for rank in pool.run(rankside_audit.collectives_per_comparison, 3):
-        assert rank["calls"] == [2, 1, 1, 2], rank  # the last: counts differ, so the rows themselves, pickled
-        assert rank["found"] == [0, 0, 0, 0], rank
+    # then one each; the last: the counts differ, so the rows themselves travel, pickled
+    pool.run(rankside_audit.collectives_per_comparison, 3, [2, 1, 1, 2])
 
 
 def test_every_step_windows_cover_each_gradient_once_in_eight(pool: RankPool) -> None:
@@ -254,14 +253,10 @@ def test_every_step_windows_cover_each_gradient_once_in_eight(pool: RankPool) ->
     import rankside_audit
 
     position = 3 * (1 << 17) // 8 + 5  # in the fourth eighth
-    for rank in pool.run(rankside_audit.compare_in_windows, position):
-        seen = {window: found for window, found in rank.items() if found}
-        assert seen == {"(3, 8)": [("gradient", 0.5)], "None": [("gradient", 0.5)]}, rank
+    pool.run(rankside_audit.compare_in_windows, position, (3, 8))
 
 
 def test_a_step_that_raises_leaves_no_comparison_pending(pool: RankPool) -> None:
     import rankside_audit
 
-    for rank in pool.run(rankside_audit.step_that_raises, timeout=120):
-        assert rank["raised"] == ["the optimizer's own failure"], rank
-        assert rank["labels"] == ["before step 1", "step 1", "step 2", "step 3", "end"] and not rank["desync"], rank
+    pool.run(rankside_audit.step_that_raises, timeout=120)

@@ -19,14 +19,19 @@ def test_quick_benchmark_runs(tmp_path: pathlib.Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "quick.json").read_text())
-    assert results["ddp_step"]["tiny"]["ratio"] > 0 and results["ddp_step"]["tiny"]["reps"] == 5
-    assert results["overhead_no_wrapper"]["overhead_us"] > 0
+    tiny = results["ddp_step"]["tiny"]
+    assert tiny["ratio"] > 0 and tiny["reps"] == 5, f"the tiny DDP step's row: {tiny}"
+    overhead = results["overhead_no_wrapper"]
+    assert overhead["overhead_us"] > 0, f"the overhead without a wrapper: {overhead}"
     allocated = results["allocated"]
-    assert "error" in allocated or allocated["forward_native_mib"] > 0  # the harness counted something
-    assert len(results["peak_rss"]["runs"]["routed"]) == 2
-    assert "routed / native DDP step" in done.stdout
-    if "trl_us" in results["ddp_call_overhead"]["1e6"]:  # TRL installed: the decomposition row is measured too
-        assert results["ddp_call_overhead"]["1e6"]["bare_us"] > 0 and "bare swap" in done.stdout
+    # the harness counted something
+    assert "error" in allocated or allocated["forward_native_mib"] > 0, f"the allocation row: {allocated}"
+    runs = results["peak_rss"]["runs"]["routed"]
+    assert len(runs) == 2, f"{len(runs)} routed peak-RSS runs, not 2: {runs}"
+    assert "routed / native DDP step" in done.stdout, f"the table is missing its row: {done.stdout[-3000:]}"
+    call = results["ddp_call_overhead"]["1e6"]
+    if "trl_us" in call:  # TRL installed: the decomposition row is measured too
+        assert call["bare_us"] > 0 and "bare swap" in done.stdout, f"the bare swap is not measured: {call}"
 
 
 def test_token_cost_quick_run() -> None:

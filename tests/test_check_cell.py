@@ -14,12 +14,14 @@ from wrapperroute.check.trl_cells import compare_ranks
 def test_a_nan_gradient_is_never_exact() -> None:
     good = {"w": torch.ones(3)}
     bad = {"w": torch.tensor([1.0, math.nan, 1.0])}
-    assert max_grad_diff(good, good) == 0.0 and max_grad_diff(bad, good) == math.inf
-    assert abs_diff(torch.tensor([math.inf]), torch.tensor([math.inf])) == math.inf
-    assert max(0.0, math.nan) == 0.0  # the premise: what a running maximum did with a NaN
+    same, nan = max_grad_diff(good, good), max_grad_diff(bad, good)
+    assert same == 0.0 and nan == math.inf, f"equal gradients differ by {same}, a NaN gradient by {nan}"
+    inf = abs_diff(torch.tensor([math.inf]), torch.tensor([math.inf]))
+    assert inf == math.inf, f"inf beside inf differs by {inf}"
+    assert max(0.0, math.nan) == 0.0, "the premise: a running maximum drops a NaN"
     cell = CellResult("ddp/fused_ce/routed", 0)
     cell.max_ref_diff = max(cell.max_ref_diff, max_grad_diff(bad, good))
-    assert not is_exact(cell)
+    assert not is_exact(cell), f"a cell with a NaN gradient is exact: {cell}"
 
 
 def test_trl_rows_with_nan_alike_on_every_rank_differ() -> None:
@@ -37,4 +39,5 @@ def test_reports_write_strict_json() -> None:
 
     row = {"max_ref_diff": math.inf, "losses": [1.5, math.nan], "nested": ({"d": -math.inf},), "label": "x"}
     text = json.dumps(strict_json(row), allow_nan=False)
-    assert json.loads(text) == {"max_ref_diff": "inf", "losses": [1.5, "nan"], "nested": [{"d": "-inf"}], "label": "x"}
+    expected = {"max_ref_diff": "inf", "losses": [1.5, "nan"], "nested": [{"d": "-inf"}], "label": "x"}
+    assert json.loads(text) == expected, f"the strict JSON written: {text}"

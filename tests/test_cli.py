@@ -26,17 +26,19 @@ def test_check_reduced_matrix_json() -> None:
     done = _cli("check", "--wrappers", wrappers, "--losses", "fused_ce", "--json")
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
-    assert report["ok"] is True and report["nproc"] == 2
+    assert report["ok"] is True and report["nproc"] == 2, f"ok {report['ok']}, nproc {report['nproc']}"
     cells = {(c["wrapper"], c["routed"]): c for c in report["cells"] if c["wrapper"] != "zero2"}
-    assert set(cells) == {("ddp", False), ("ddp", True), ("fsdp2", False), ("fsdp2", True), ("ddp", "rank mean")}
-    assert cells[("ddp", True)]["verdict"] == "exact" and cells[("ddp", True)]["differ"] == 0
-    assert cells[("ddp", False)]["verdict"] == "desync" and cells[("ddp", False)]["differ"] > 0
-    assert cells[("fsdp2", False)]["verdict"] == "crashes"
+    expected = {("ddp", False), ("ddp", True), ("fsdp2", False), ("fsdp2", True), ("ddp", "rank mean")}
+    assert set(cells) == expected, f"the cells reported: {sorted(cells, key=str)}"
+    routed, unrouted = cells[("ddp", True)], cells[("ddp", False)]
+    assert routed["verdict"] == "exact" and routed["differ"] == 0, f"DDP routed: {routed}"
+    assert unrouted["verdict"] == "desync" and unrouted["differ"] > 0, f"DDP unrouted: {unrouted}"
+    assert cells[("fsdp2", False)]["verdict"] == "crashes", f"FSDP2 unrouted: {cells[('fsdp2', False)]}"
     # each rank's own mean on the same uneven batches: shown, off the global token mean, not a failure
     own_mean = cells[("ddp", "rank mean")]
     assert own_mean["verdict"] == "off: what token_divisor fixes" and own_mean["max_ref_diff"] > 1e-3, own_mean
     total = 7 if has_deepspeed else 5
-    assert f"[{total}/{total}]" in done.stderr  # progress
+    assert f"[{total}/{total}]" in done.stderr, f"no progress line [{total}/{total}]: {done.stderr[-2000:]}"
     noise = [line for line in done.stderr.splitlines() if line.strip() and not re.match(r"\[\d+/\d+\] ", line)]
     assert noise == [], noise
 
@@ -51,14 +53,16 @@ def test_check_reduced_matrix_json() -> None:
 )
 def test_bad_input_one_line(args: tuple[str, ...], words: str) -> None:
     done = _cli(*args, timeout=60)
-    assert done.returncode == 2
-    assert words in done.stderr
-    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert done.returncode == 2, f"{args}: exit status {done.returncode}, not the usage error's 2"
+    assert words in done.stderr, f"{args}: the error does not say {words!r}: {done.stderr}"
+    one_line = "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert one_line, f"{args}: not one line: {done.stderr}"
 
 
 def test_env_lists_versions() -> None:
     done = _cli("env", timeout=60)
-    assert done.returncode == 0 and "torch" in done.stdout and "wrappers" in done.stdout
+    assert done.returncode == 0, f"env exited {done.returncode}: {done.stderr[-2000:]}"
+    assert "torch" in done.stdout and "wrappers" in done.stdout, f"env lists no versions or wrappers: {done.stdout}"
 
 
 def test_cell_that_fails_outside_its_own_try_shows_the_ranks_exception() -> None:
@@ -74,7 +78,7 @@ def test_cell_that_fails_outside_its_own_try_shows_the_ranks_exception() -> None
     failure = RankFailure(f"run_cell failed on rank(s) [0, 1]:\n--- rank 0:\n{trace}", {0: trace, 1: trace})
     row = _failed_row("fsdp2", "fused_ce", True, failure)
     assert row["verdict"] == "FAIL" and row["error"].startswith("ImportError: cannot import name 'DTensor'"), row
-    assert "ImportError" in format_table([row])
+    assert "ImportError" in format_table([row]), f"the table hides the exception: {format_table([row])}"
     hung = RankFailure("run_cell failed on rank(s) [1]", {1: "no answer within 300s"})
     hung_row = _failed_row("ddp", "fused_ce", False, hung)
     assert hung_row["verdict"] == "crashes" and hung_row["error"] == "no answer within 300s", hung_row
@@ -90,11 +94,13 @@ def test_defaults_this_torch_cannot_check_are_named_not_dropped() -> None:
 
     future = WrapperCase("future", "wrapperroute.check.wrappers:build_ddp", cpu_torch=((99, 0), "not yet"))
     known = {"ddp": WRAPPERS["ddp"], "future": future}
-    assert _names(None, known, ("ddp", "future"), "wrapper", 2) == ["ddp"]
-    assert _skipped(known, ("ddp", "future"), "wrapper", 2) == [
+    names = _names(None, known, ("ddp", "future"), "wrapper", 2)
+    assert names == ["ddp"], f"the defaults checked: {names}"
+    skipped = _skipped(known, ("ddp", "future"), "wrapper", 2)
+    assert skipped == [
         f"wrapperroute: skipping wrapper 'future': it needs torch >= 99.0 on CPU ranks, this is {torch.__version__}: "
         "not yet"
-    ]
+    ], f"what is said of the default left out: {skipped}"
     with pytest.raises(UsageError, match=r"wrapper 'future' needs torch >= 99\.0 on CPU ranks.*not yet"):
         _names("ddp,future", known, ("ddp",), "wrapper", 2)
 
@@ -111,13 +117,18 @@ def test_trl_verdict_needs_a_gradient_and_the_reference() -> None:
     from wrapperroute.check.trl_report import trl_verdict
 
     row = {"variant": "patched", "error": None, "differ": 0, "max_diff": 0.0, "nonzero": 12, "ref_diff": 3e-8}
-    assert trl_verdict(row) == "exact"
-    assert trl_verdict({**row, "nonzero": 0}) == "no gradient"
-    assert trl_verdict({**row, "ref_diff": 2e-3}) == "FAIL"
-    assert trl_verdict({**row, "ref_diff": None}) == "no reference"
-    assert trl_verdict({**row, "variant": "unpatched", "ref_diff": 2e-3}) == "wrong"
-    assert trl_verdict({**row, "variant": "unpatched", "differ": 3, "max_diff": 0.1}) == "desync"
-    assert trl_verdict({**row, "error": "Traceback ..."}) == "FAIL"
+    cases = [
+        (row, "exact"),
+        ({**row, "nonzero": 0}, "no gradient"),
+        ({**row, "ref_diff": 2e-3}, "FAIL"),
+        ({**row, "ref_diff": None}, "no reference"),
+        ({**row, "variant": "unpatched", "ref_diff": 2e-3}, "wrong"),
+        ({**row, "variant": "unpatched", "differ": 3, "max_diff": 0.1}, "desync"),
+        ({**row, "error": "Traceback ..."}, "FAIL"),
+    ]
+    for case, expected in cases:
+        verdict = trl_verdict(case)
+        assert verdict == expected, f"{case}: verdict {verdict!r}, not {expected!r}"
 
 
 @pytest.mark.skipif(
@@ -142,7 +153,8 @@ def test_check_trl_without_trl_or_liger_path_says_so(
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else find_spec(name, *a))
-    assert main(["check", "--trl"]) == 2
+    code = main(["check", "--trl"])
+    assert code == 2, f"check --trl without TRL: exit status {code}, not the usage error's 2"
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [
         "wrapperroute: error: --trl checks the installed TRL, and TRL is not installed (pip install wrapperroute[trl])"
@@ -151,9 +163,10 @@ def test_check_trl_without_trl_or_liger_path_says_so(
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in present else None)
     gone = "wrapperroute: TRL 0.0.1 has no DPOTrainer: not checked"
     monkeypatch.setattr(trl_report, "liger_trainers", lambda: ("0.0.1", [], [gone]))
-    assert main(["check", "--trl", "--wrappers", "ddp"]) == 0
+    code = main(["check", "--trl", "--wrappers", "ddp"])
+    assert code == 0, f"check --trl with nothing to check: exit status {code}"
     out, err = capsys.readouterr()
     assert out.strip() == (
         "wrapperroute check --trl: TRL 0.0.1 has no trainer with a Liger path to check: nothing checked"
     ), out
-    assert err.strip() == gone
+    assert err.strip() == gone, f"what is said of the trainer TRL lacks: {err}"

@@ -85,7 +85,10 @@ def test_a_loss_routed_from_inside_the_forward_is_called_plainly(
         wrapped(x).backward()
         plain(x).sum().backward()
         assert pre_forwards[0] == step + 1, "the loss entered DDP's forward a second time"
-    assert torch.allclose(inner.lin.weight.grad, plain.weight.grad, atol=1e-6)  # type: ignore[arg-type]
+    grad, expected = inner.lin.weight.grad, plain.weight.grad
+    assert grad is not None and expected is not None, f"{wrap}: a gradient is missing: {grad}, {expected}"
+    diff = float((grad - expected).abs().max())
+    assert torch.allclose(grad, expected, atol=1e-6), f"{wrap}: routed and plain gradients {diff:.3g} apart"
     if wrap == "subclass":  # the premise: DDP's own _run_ddp_forward never ran
-        assert inner.saw_base_frame == [False, False]
-    assert DDP._active_ddp_module is None
+        assert inner.saw_base_frame == [False, False], f"DDP's own _run_ddp_forward ran: {inner.saw_base_frame}"
+    assert DDP._active_ddp_module is None, f"{wrap}: DDP's forward marker left set"

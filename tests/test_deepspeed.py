@@ -17,9 +17,9 @@ from wrapperroute.ranks import RankFailure, RankPool
 NO_PERSIST = {"stage3_param_persistence_threshold": 0}
 
 
-def _run(pool: RankPool, cell: Cell, fn: Any = run_cell) -> dict[str, Any]:
+def _run(pool: RankPool, cell: Cell) -> dict[str, Any]:
     start = time.perf_counter()
-    results = pool.run(fn, cell)
+    results = pool.run(run_cell, cell)
     for result in results:
         assert result.error is None, result.error
     print(f"{cell.label()}: {results[0]} ({time.perf_counter() - start:.1f}s)")
@@ -27,7 +27,7 @@ def _run(pool: RankPool, cell: Cell, fn: Any = run_cell) -> dict[str, Any]:
 
 
 def _assert_exact(result: dict[str, Any]) -> None:
-    assert result.params > 0
+    assert result.params > 0, f"no gradient compared: {result}"
     assert result.differ == 0, result
     assert result.max_ref_diff <= REFERENCE_TOLERANCE, result
 
@@ -73,7 +73,7 @@ def test_zero2_torch_backward_unrouted_misses_forward_hooks(pool: RankPool) -> N
     try:
         results = pool.run(run_cell, cell)
     except RankFailure as failure:  # measured: ZeRO-2's step finds no reduced gradients (KeyError)
-        assert set(failure.errors) == {0, 1}
+        assert set(failure.errors) == {0, 1}, f"failed on ranks {sorted(failure.errors)}, not on both"
         return
     assert all(r.error is not None or r.max_ref_diff > 1e-3 for r in results), results
 
@@ -81,37 +81,29 @@ def test_zero2_torch_backward_unrouted_misses_forward_hooks(pool: RankPool) -> N
 @pytest.mark.parametrize("persist", [False, True])
 def test_zero3_explicit_gather_exact(pool: RankPool, persist: bool) -> None:
     opts = {} if persist else {"zero": NO_PERSIST}
-    cell = Cell(wrapper="zero3", loss="fused_ce", steps=2, wrapper_opts=opts)
-    _assert_exact(_run(pool, cell, rankside_deepspeed.run_cell_gathering))
+    pool.run(rankside_deepspeed.gathering_exact, Cell(wrapper="zero3", loss="fused_ce", steps=2, wrapper_opts=opts))
 
 
 def test_zero3_explicit_gather_liger_dpo_exact(pool: RankPool) -> None:
     pytest.importorskip("liger_kernel", reason="the Liger DPO loss needs liger-kernel")
     cell = Cell(wrapper="zero3", loss="liger_dpo", wrapper_opts={"zero": NO_PERSIST})
-    _assert_exact(_run(pool, cell, rankside_deepspeed.run_cell_gathering))
+    pool.run(rankside_deepspeed.gathering_exact, cell)
 
 
 def test_zero3_in_forward_vs_gathered_parameters_timing(pool: RankPool) -> None:
     lazy = max(pool.run(rankside_deepspeed.time_zero3_gathering, 3, False))
     gathered = max(pool.run(rankside_deepspeed.time_zero3_gathering, 3, True))
     print(f"ZeRO-3 routed step: in-forward getter {lazy * 1e3:.1f} ms, GatheredParameters {gathered * 1e3:.1f} ms")
-    assert lazy > 0 and gathered > 0
+    assert lazy > 0 and gathered > 0, f"a step timed at {lazy} s (in-forward getter), {gathered} s (gathered)"
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_detect_zero(pool: RankPool, stage: int) -> None:
-    found = pool.run(rankside_deepspeed.zero_detection, stage)[0]
-    assert found["kind"] == "deepspeed"
-    assert found["chain"] == ("deepspeed", "module")
-    assert found["details"] == {"zero_stage": stage, "gradient_accumulation_steps": 2}
-    assert found["inner_ok"]
-    assert found["compiled_chain"] == ("compile", "deepspeed", "module")
-    assert found["compiled_wrapper_ok"]
+    pool.run(rankside_deepspeed.zero_detection, stage)
 
 
 def test_zero3_gather_outside_model_is_rejected(pool: RankPool) -> None:
-    messages = pool.run(rankside_deepspeed.zero3_bad_gather)
-    assert all("is not inside model" in m for m in messages), messages
+    pool.run(rankside_deepspeed.zero3_bad_gather)
 
 
 
@@ -131,10 +123,12 @@ def test_every_fetch_coordinator_is_asked_as_the_release_defines_it() -> None:
             self.param_coordinators = {True: "training", False: "eval"}
 
     per_mode = len(inspect.signature(DeepSpeedZeRoOffload.get_param_coordinator).parameters) > 1
-    assert _param_coordinators(Installed()) == (["training", "eval"] if per_mode else ["the one"])
+    found = _param_coordinators(Installed())
+    assert found == (["training", "eval"] if per_mode else ["the one"]), f"the installed shape's coordinators: {found}"
 
     class Before0154:
         def get_param_coordinator(self, training: bool) -> str:
             return f"training={training}"
 
-    assert _param_coordinators(Before0154()) == ["training=True", "training=False"]
+    found = _param_coordinators(Before0154())
+    assert found == ["training=True", "training=False"], f"the pre-0.15.4 shape's coordinators: {found}"

@@ -19,10 +19,11 @@ from wrapperroute.check.models import TinyConfig, build_model
 def test_plain_module_and_compile_layer() -> None:
     model = build_model(TinyConfig())
     found = detect(model)
-    assert (found.kind, found.chain, found.inner) == ("none", ("module",), model)
-    assert found.wrapper is None and found.entry is None
+    assert (found.kind, found.chain, found.inner) == ("none", ("module",), model), f"a plain module: {found}"
+    assert found.wrapper is None and found.entry is None, f"a plain module: {found.wrapper}, {found.entry}"
     compiled = detect(torch.compile(model))
-    assert compiled.chain == ("compile", "module") and compiled.inner is model and not compiled.distributed
+    assert compiled.chain == ("compile", "module"), f"a compiled module's chain: {compiled.chain}"
+    assert compiled.inner is model and not compiled.distributed, f"a compiled module: {compiled}"
 
 
 def test_the_layout_is_read_when_asked_not_per_call() -> None:
@@ -33,8 +34,10 @@ def test_the_layout_is_read_when_asked_not_per_call() -> None:
     walk = model.named_parameters
     model.named_parameters = lambda *a, **k: calls.append(1) or walk(*a, **k)  # type: ignore[method-assign]
     found = detect(model)
-    assert calls == [] and repr(found) == "Detection(kind='none', chain=('module',), details={})"
-    assert found.tensor_parallel is None and found.tensor_parallel is None and calls == [1]
+    assert calls == [], f"detect read the parameters {len(calls)} times"
+    assert repr(found) == "Detection(kind='none', chain=('module',), details={})", repr(found)
+    assert found.tensor_parallel is None and found.tensor_parallel is None, f"{found.tensor_parallel}"
+    assert calls == [1], f"the layout read the parameters {len(calls)} times over two accesses, not once"
 
 
 def test_not_a_module_is_named() -> None:
@@ -48,17 +51,19 @@ def test_wrappers_on_one_rank(one_rank: None) -> None:
 
     inner = build_model(TinyConfig())
     ddp = detect(torch.compile(DDP(inner)))
-    assert (ddp.kind, ddp.chain, ddp.inner) == ("ddp", ("compile", "ddp", "module"), inner)
-    assert ddp.entry is ddp.wrapper and ddp.details["find_unused_parameters"] is False
+    assert (ddp.kind, ddp.chain, ddp.inner) == ("ddp", ("compile", "ddp", "module"), inner), f"compile(DDP): {ddp}"
+    assert ddp.entry is ddp.wrapper, f"compile(DDP) entered at {type(ddp.entry).__name__}, not DDP"
+    assert ddp.details["find_unused_parameters"] is False, f"compile(DDP)'s details: {ddp.details}"
     composable = replicate(build_model(TinyConfig()), find_unused_parameters=True)
     found = detect(composable)
-    assert (found.kind, found.chain, found.wrapper) == ("replicate", ("replicate", "module"), composable)
-    assert found.details["find_unused_parameters"] is True  # read before the lazy DDP exists
+    assert (found.kind, found.chain, found.wrapper) == ("replicate", ("replicate", "module"), composable), found
+    # read before the lazy DDP exists
+    assert found.details["find_unused_parameters"] is True, f"replicate's details: {found.details}"
     sharded = build_model(TinyConfig())
     fully_shard(sharded.lm_head)
     fully_shard(sharded)
     fsdp2 = detect(sharded)
-    assert (fsdp2.kind, fsdp2.chain, fsdp2.details["nested_groups"]) == ("fsdp2", ("fsdp2", "module"), 1)
+    assert (fsdp2.kind, fsdp2.chain, fsdp2.details["nested_groups"]) == ("fsdp2", ("fsdp2", "module"), 1), fsdp2
 
 
 def test_read_whole_on_one_rank(one_rank: None) -> None:
@@ -73,9 +78,12 @@ def test_read_whole_on_one_rank(one_rank: None) -> None:
     fully_shard(sharded)
     fsdp2 = detect(sharded)
     with fsdp2.adapter.read_whole(sharded):  # type: ignore[union-attr]
-        assert type(sharded.embed.weight) is nn.Parameter  # unsharded: the plain parameter, not a DTensor
-        assert sharded.embed(torch.zeros(1, 2, dtype=torch.long)).shape == (1, 2, TinyConfig().hidden)
-    assert type(sharded.embed.weight).__name__ == "DTensor"  # resharded on the way out
+        # unsharded: the plain parameter, not a DTensor
+        assert type(sharded.embed.weight) is nn.Parameter, f"inside read_whole: a {type(sharded.embed.weight)}"
+        shape = sharded.embed(torch.zeros(1, 2, dtype=torch.long)).shape
+        assert shape == (1, 2, TinyConfig().hidden), f"inside read_whole the embedding gives {tuple(shape)}"
+    # resharded on the way out
+    assert type(sharded.embed.weight).__name__ == "DTensor", f"after read_whole: a {type(sharded.embed.weight)}"
     fsdp1 = detect(FullyShardedDataParallel(build_model(TinyConfig()), device_id=torch.device("cpu")))
     with pytest.warns(RuntimeWarning, match="frozen FSDP1 model"), fsdp1.adapter.read_whole(fsdp1.wrapper):  # type: ignore[union-attr,arg-type]
         pass
@@ -89,25 +97,26 @@ def test_fabric_on_one_device_is_entered_not_distributed() -> None:
     model = build_model(TinyConfig())
     module = fabric.setup_module(model)
     found = detect(module)
-    assert (found.kind, found.chain, found.inner) == ("none", ("fabric", "module"), model)
-    assert found.entry is module and not found.distributed
+    assert (found.kind, found.chain, found.inner) == ("none", ("fabric", "module"), model), f"Fabric, 1 device: {found}"
+    assert found.entry is module and not found.distributed, f"Fabric, 1 device: {found.entry}, {found.distributed}"
 
 
 def test_autocast_kept_from_an_instance_forward() -> None:
     """accelerate's mixed precision wraps the instance forward in autocast (and an fp32 output conversion):
     the keeper finds the autocast and re-enters one with the same settings; a class forward keeps nothing."""
     model = nn.Linear(4, 4)
-    assert kept_forward_context(model, model.forward) is None  # no instance forward
+    assert kept_forward_context(model, model.forward) is None, "a context kept from no instance forward"
     wrapped = torch.autocast("cpu", dtype=torch.bfloat16)(type(model).forward)
     model.forward = types.MethodType(wrapped, model)
     context = kept_forward_context(model, model.forward)
-    assert context is not None
+    assert context is not None, "no context kept from an autocast instance forward"
     with context():
-        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-    assert not torch.is_autocast_enabled("cpu")
+        enabled, dtype = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+        assert enabled and dtype == torch.bfloat16, f"the kept context: autocast {enabled}, {dtype}"
+    assert not torch.is_autocast_enabled("cpu"), "autocast still on after the kept context"
     plain = nn.Linear(4, 4)
     plain.forward = types.MethodType(type(plain).forward, plain)  # an instance forward with nothing around it
-    assert kept_forward_context(plain, plain.forward) is None
+    assert kept_forward_context(plain, plain.forward) is None, "a context kept from a forward with nothing around it"
 
 
 def test_expert_and_context_dimensions_are_not_tensor_parallel() -> None:
@@ -115,5 +124,8 @@ def test_expert_and_context_dimensions_are_not_tensor_parallel() -> None:
     other experts or other parts of a sequence, not slices of one layer."""
     from wrapperroute._tensor_parallel import _other_parallelism
 
-    assert all(_other_parallelism(name) for name in ("ep", "cp", "dp_shard_mod_ep", "dp_shard_in_ep", "experts"))
-    assert not any(_other_parallelism(name) for name in ("tp", "dp", "dp_shard", "dp_replicate", "etp", "fsdp"))
+    other = ("ep", "cp", "dp_shard_mod_ep", "dp_shard_in_ep", "experts")
+    missed = [name for name in other if not _other_parallelism(name)]
+    assert not missed, f"taken for tensor parallelism: {missed}"
+    taken = [name for name in ("tp", "dp", "dp_shard", "dp_replicate", "etp", "fsdp") if _other_parallelism(name)]
+    assert not taken, f"taken for expert or context parallelism: {taken}"

@@ -22,4 +22,5 @@ def _run(name: str, *args: str) -> str:
 
 
 def test_custom_loop() -> None:
-    assert "{'routed': [0, 0, 0], 'unrouted': [6, 6, 6]}" in _run("custom_loop.py")
+    out = _run("custom_loop.py")
+    assert "{'routed': [0, 0, 0], 'unrouted': [6, 6, 6]}" in out, f"the differing parameters per step: {out[-3000:]}"

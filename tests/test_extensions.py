@@ -39,7 +39,8 @@ def test_torch_waits_on_a_stale_lock_silently(tmp_path: Path) -> None:
     code = "from deepspeed.comm.torch import build_shm_op; build_shm_op(); print('loaded')"
     with pytest.raises(subprocess.TimeoutExpired) as waited:
         subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=20)
-    assert "loaded" not in str(waited.value.stdout or b"") and lock.exists()
+    assert "loaded" not in str(waited.value.stdout or b""), "the op loaded despite the stale lock"
+    assert lock.exists(), "the stale lock is gone: the premise does not hold"
 
 
 @NEEDS_DS
@@ -52,7 +53,7 @@ def test_check_clears_a_stale_lock_and_goes_on(tmp_path: Path) -> None:
     said = [line for line in done.stderr.splitlines() if "stale C++ extension build lock" in line]
     assert said and str(lock) in said[0], done.stderr[-3000:]
     assert done.returncode == 0 and "every routed cell exact" in done.stdout, done.stdout + done.stderr[-3000:]
-    assert time.monotonic() - start < 400
+    assert time.monotonic() - start < 400, f"check took {time.monotonic() - start:.0f} s"
 
 
 def test_a_lock_held_open_is_named_not_removed(tmp_path: Path) -> None:
@@ -62,14 +63,17 @@ def test_a_lock_held_open_is_named_not_removed(tmp_path: Path) -> None:
     code = f"f = open({str(lock)!r}); print('open', flush=True); import time; time.sleep(60)"
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"  # a build holds its lock
+        assert holder.stdout is not None, "the holder's output is not piped"
+        opened = holder.stdout.readline().strip()
+        assert opened == "open", f"the holder did not open the lock (a build holds its lock): {opened!r}"
         said = clear_stale_locks(str(tmp_path))
         assert said and f"waiting for {lock}: process {holder.pid}" in said[0], said
-        assert lock.exists()
+        assert lock.exists(), "a lock held open was removed"
     finally:
         holder.kill()
         holder.wait()
-    assert "removed" in clear_stale_locks(str(tmp_path))[0] and not lock.exists()
+    said = clear_stale_locks(str(tmp_path))
+    assert "removed" in said[0] and not lock.exists(), f"the lock, no longer held, is not removed: {said}"
 
 
 def test_the_default_folder_is_keyed_by_versions(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,9 +81,11 @@ def test_the_default_folder_is_keyed_by_versions(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     folder = cache_env()["TORCH_EXTENSIONS_DIR"]
-    assert f"torch{torch.__version__}" in folder and f"py{sys.version_info.major}{sys.version_info.minor}" in folder
+    versions = f"torch{torch.__version__}", f"py{sys.version_info.major}{sys.version_info.minor}"
+    assert all(version in folder for version in versions), f"the default folder {folder} is not keyed by {versions}"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/somewhere/mine")
-    assert cache_env()["TORCH_EXTENSIONS_DIR"] == "/somewhere/mine"  # a folder the user chose is theirs
+    chosen = cache_env()["TORCH_EXTENSIONS_DIR"]
+    assert chosen == "/somewhere/mine", f"the folder the user chose became {chosen}"
 
 
 def test_other_users_processes_are_not_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

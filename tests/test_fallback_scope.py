@@ -34,10 +34,13 @@ def test_fallback_only_where_isolation_changes_something(one_rank: None, wrapper
     loss = _failing_once(model, calls)
     before = routing_state().isolated
     if wrapper == "ddp":  # retried once, isolated, and isolated from now on
-        assert wr.route_loss(wrapped, model, loss).shape == ()  # type: ignore[arg-type]
-        assert len(calls) == 2 and routing_state().isolated - before
+        shape = wr.route_loss(wrapped, model, loss).shape  # type: ignore[arg-type]
+        assert shape == (), f"the retried loss has shape {tuple(shape)}"
+        added = routing_state().isolated - before
+        assert len(calls) == 2 and added, f"{len(calls)} calls of the loss, isolated from now on: {added}"
     else:  # raised as it is: one call, nothing recorded
         with pytest.raises(RuntimeError, match="TensorWrapper"):
             wr.route_loss(wrapped, model, loss)  # type: ignore[arg-type]
-        assert len(calls) == 1 and routing_state().isolated == before
+        after = routing_state().isolated
+        assert len(calls) == 1 and after == before, f"{len(calls)} calls of the loss; isolated {before}, now {after}"
     forget_isolated(routing_state().isolated - before)

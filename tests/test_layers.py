@@ -20,14 +20,8 @@ from wrapperroute.ranks import RankPool
     ],
 )
 def test_layers_detected_and_routed(pool: RankPool, order: str, chain: tuple[str, ...]) -> None:
-    results = pool.run(rankside_layers.layered_route, order, True)
-    print(order, results[0])
-    for result in results:
-        assert result["chain"] == chain and result["kind"] == "ddp" and result["inner_is_base"]
-        assert result["params"] > 0 and result["differ"] == 0, result
+    pool.run(rankside_layers.layered_route, order, chain)
 
 
 def test_layers_unrouted_differs(pool: RankPool) -> None:
-    results = pool.run(rankside_layers.layered_route, "peft,ddp,compile", False)
-    print(results[0])
-    assert results[0]["differ"] > 0
+    pool.run(rankside_layers.layered_unrouted_differs, "peft,ddp,compile")

@@ -107,7 +107,7 @@ def _exits(function: ast.FunctionDef) -> list[int]:
 def test_route_loss_is_short_with_few_exits() -> None:
     tree = ast.parse((PACKAGE / "route.py").read_text())
     [function] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "route_loss"]
-    assert function.end_lineno is not None
+    assert function.end_lineno is not None, "route_loss has no end line"
     lines = function.end_lineno - function.lineno + 1
     exits = _exits(function)
     assert lines <= 60, f"route_loss is {lines} lines"
@@ -121,7 +121,8 @@ def test_exits_are_counted_where_they_stand() -> None:
         "    with x:\n        return 2\n"
     )
     [function] = ast.parse(source).body
-    assert isinstance(function, ast.FunctionDef) and _exits(function) == [5, 7]
+    assert isinstance(function, ast.FunctionDef), f"parsed a {type(function).__name__}, not a function"
+    assert _exits(function) == [5, 7], f"the exits found: {_exits(function)}, not lines 5 and 7"
 
 
 def test_the_rules_see_what_they_forbid(tmp_path: Path) -> None:
@@ -130,8 +131,10 @@ def test_the_rules_see_what_they_forbid(tmp_path: Path) -> None:
     known = {"pkg.a": tmp_path / "a.py", "pkg.b": tmp_path / "b.py"}
     known["pkg.a"].write_text("from .b import _hidden, shown\n")
     known["pkg.b"].write_text("from . import a\n")
-    assert _imports("pkg.a", known["pkg.a"], known) == [("pkg.b", ["_hidden", "shown"], 1)]
-    assert _imports("pkg.b", known["pkg.b"], known) == [("pkg.a", [], 1)]
+    found = _imports("pkg.a", known["pkg.a"], known)
+    assert found == [("pkg.b", ["_hidden", "shown"], 1)], f"pkg.a's imports: {found}"
+    found = _imports("pkg.b", known["pkg.b"], known)
+    assert found == [("pkg.a", [], 1)], f"pkg.b's imports: {found}"
 
 
 def test_readme_is_short_and_opens_with_the_two_commands() -> None:

@@ -13,7 +13,6 @@ import rankside_properties
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wrapperroute.check.cell import REFERENCE_TOLERANCE
 from wrapperroute.ranks import RankPool
 
 BATCH = 10
@@ -57,8 +56,5 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
 @given(batch=st.lists(specs(), min_size=BATCH, max_size=BATCH))
 def test_random_trees_gradient_truth(pool: RankPool, batch: list[dict[str, Any]]) -> None:
-    ranks = pool.run(rankside_properties.tree_truth_many, batch, timeout=120)
-    for rank in ranks:
-        for spec, facts in zip(batch, rank, strict=True):
-            assert facts["params"] > 0 and not facts["forward_left"], (spec, facts)
-            assert facts["differ"] == 0 and facts["max_ref_diff"] <= REFERENCE_TOLERANCE, (spec, facts)
+    # every example asserted in the ranks (a failure names the spec); hypothesis shrinks on it as on any other
+    pool.run(rankside_properties.tree_truth_many, batch, timeout=120)

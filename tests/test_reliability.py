@@ -1,7 +1,7 @@
 """Reliability: bad input, faults, one failing rank, long runs and threads, on real wrappers.
 
-Every rank-side function catches the errors it expects and returns them as data, so the pool is never
-restarted on the happy path.
+Every rank-side function (tests/rankside_reliability) asserts its facts where it finds them and catches the
+errors it expects, so the pool is never restarted on the happy path.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from rankside_reliability import concurrency, edge_cases, faults, inputs, lifeti
 from torch import nn
 
 import wrapperroute as wr
-from wrapperroute.check.cell import REFERENCE_TOLERANCE
 from wrapperroute.check.models import TinyConfig, build_model
 from wrapperroute.ranks import RankPool
 
@@ -45,10 +44,6 @@ WRAPPERS = [
 ]
 
 
-def _exact(step: dict[str, Any]) -> None:
-    assert step["params"] > 0 and step["differ"] == 0 and step["max_ref_diff"] <= REFERENCE_TOLERANCE, step
-
-
 # --- bad input: single process ------------------------------------------------------------------------------
 
 
@@ -61,10 +56,12 @@ def _plain_case(call: Any, error: type[Exception], words: str) -> None:
     hooks = _hooks(model)
     with pytest.raises(error, match=words) as info:
         call(model)
-    assert isinstance(info.value, wr.WrapperRouteError)
-    assert "forward" not in model.__dict__ and _hooks(model) == hooks
+    assert isinstance(info.value, wr.WrapperRouteError), f"{info.value!r} is not a WrapperRouteError"
+    assert "forward" not in model.__dict__, "the failed call left an instance forward"
+    assert _hooks(model) == hooks, f"{hooks} hooks before the failed call, {_hooks(model)} after"
     ids = torch.zeros(1, 4, dtype=torch.long)
-    assert wr.route_loss(model, model, lambda: model(ids).sum()).shape == ()  # still usable
+    shape = wr.route_loss(model, model, lambda: model(ids).sum()).shape
+    assert shape == (), f"the next routed loss has shape {tuple(shape)}: the model is not usable"
 
 
 def test_bad_input_model_is_a_class() -> None:
@@ -80,8 +77,9 @@ def test_bad_input_gather_by_name() -> None:
 def test_model_without_parameters_is_a_plain_call() -> None:
     """Legitimate: nothing to synchronise, so fn is simply called (DDP itself refuses such a model)."""
     model = nn.Sequential(nn.ReLU())
-    assert wr.route_loss(model, model, lambda x: model(x).sum(), torch.tensor([-1.0, 2.0])) == 2.0
-    assert "forward" not in model.__dict__
+    value = wr.route_loss(model, model, lambda x: model(x).sum(), torch.tensor([-1.0, 2.0]))
+    assert value == 2.0, f"fn's value {value}, not relu([-1, 2]).sum() = 2"
+    assert "forward" not in model.__dict__, "the call left an instance forward"
 
 
 def test_bad_input_process_group_gone(tmp_path: Any) -> None:
@@ -89,7 +87,7 @@ def test_bad_input_process_group_gone(tmp_path: Any) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    assert not dist.is_initialized()
+    assert not dist.is_initialized(), "a process group is already initialised in the test process"
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         model = build_model(TinyConfig())
@@ -99,75 +97,48 @@ def test_bad_input_process_group_gone(tmp_path: Any) -> None:
     hooks = _hooks(ddp)
     with pytest.raises(wr.RouteStateError, match="init_process_group") as info:
         wr.route_loss(ddp, model, lambda: model(torch.zeros(1, 2, dtype=torch.long)).sum())
-    assert isinstance(info.value, RuntimeError)
-    assert "forward" not in model.__dict__ and "forward" not in ddp.__dict__ and _hooks(ddp) == hooks
+    assert isinstance(info.value, RuntimeError), f"{info.value!r} is not a RuntimeError"
+    assert "forward" not in model.__dict__ and "forward" not in ddp.__dict__, "an instance forward was left"
+    assert _hooks(ddp) == hooks, f"{hooks} hooks before the failed call, {_hooks(ddp)} after"
 
 
 # --- bad input and legitimate odd uses on real wrappers -----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def bad_input(pool: RankPool) -> list[dict[str, dict[str, Any]]]:
-    return pool.run(inputs.bad_input_cases)
-
-
+# case: (the exception, words its message holds, the fix it names or None); a DDP model, or FSDP2 for "-fsdp2"
 BAD_INPUT = {
-    "unwrapped-is-the-wrapper": ("RouteValueError", "wrapper layer itself"),
-    "unwrapped-of-another-model": ("RouteValueError", "is not inside model"),
-    "gather-outside-fsdp2": ("RouteValueError", "is not inside model"),
-    "gather-by-name": ("RouteTypeError", "not names"),
-    "no-tensor-find-unused": ("RouteValueError", "find_unused_parameters=True"),
-    "detached-find-unused": ("RouteValueError", "no tensor that requires grad"),
-    "async-fn": ("RouteTypeError", "coroutine"),
-    "generator-fn": ("RouteTypeError", "generator"),
-    "async-fn-fsdp2": ("RouteTypeError", "coroutine"),
+    "unwrapped-is-the-wrapper": ("RouteValueError", "wrapper layer itself", None),
+    "unwrapped-of-another-model": ("RouteValueError", "is not inside model", None),
+    "gather-outside-fsdp2": ("RouteValueError", "is not inside model", None),
+    "gather-by-name": ("RouteTypeError", "not names", "submodule"),
+    "no-tensor-find-unused": ("RouteValueError", "find_unused_parameters=True", "torch.no_grad()"),
+    "detached-find-unused": ("RouteValueError", "no tensor that requires grad", None),
+    "async-fn": ("RouteTypeError", "coroutine", "plain function"),
+    "generator-fn": ("RouteTypeError", "generator", None),
+    "async-fn-fsdp2": ("RouteTypeError", "coroutine", None),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
-def test_bad_input_on_wrapper(bad_input: list[dict[str, dict[str, Any]]], case: str) -> None:
-    error, words = BAD_INPUT[case]
-    for rank in bad_input:
-        entry = rank[case]
-        assert entry["error"] == error and words in entry["message"], entry
-        assert "WrapperRouteError" in entry["mro"] and ("TypeError" in entry["mro"] or "ValueError" in entry["mro"])
-        assert entry["clean"], f"state left behind: {entry}"
-        _exact(entry["after"])  # the same wrapper, next step
+def test_bad_input_on_wrapper(pool: RankPool, case: str) -> None:
+    """The error, its message (naming the fix where there is one), the wrapper as it was, the next step exact."""
+    pool.run(inputs.bad_input, case, *BAD_INPUT[case])
 
 
-def test_bad_input_messages_name_the_fix(bad_input: list[dict[str, dict[str, Any]]]) -> None:
-    fixes = {"no-tensor-find-unused": "torch.no_grad()", "async-fn": "plain function", "gather-by-name": "submodule"}
-    for case, fix in fixes.items():
-        assert fix in bad_input[0][case]["message"], bad_input[0][case]
+NO_GRAD = {"ddp": {}, "fsdp1": {"lm_head_unit": True}, "fsdp2": {"groups": "layers"}}
 
 
-@pytest.fixture(scope="module")
-def legit(pool: RankPool) -> list[dict[str, dict[str, Any]]]:
-    return pool.run(inputs.legit_cases)
+@pytest.mark.parametrize("wrapper", list(NO_GRAD))
+def test_no_grad_evaluation_is_routed(pool: RankPool, wrapper: str) -> None:
+    pool.run(inputs.no_grad_evaluation, wrapper, NO_GRAD[wrapper])
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp1", "fsdp2"])
-def test_no_grad_evaluation_is_routed(legit: list[dict[str, dict[str, Any]]], wrapper: str) -> None:
-    for rank in legit:
-        facts = rank[f"no_grad-{wrapper}"]
-        assert facts["value_diff"] <= REFERENCE_TOLERANCE and not facts["requires_grad"], facts
-        assert facts["clean"], facts  # FSDP resharded, no forward left, no hook leaked
-        _exact(facts["after"])
+def test_eval_mode_is_routed(pool: RankPool) -> None:
+    pool.run(inputs.eval_mode)
 
 
-def test_eval_mode_is_routed(legit: list[dict[str, dict[str, Any]]]) -> None:
-    for rank in legit:
-        facts = rank["eval-mode-fsdp2"]
-        _exact(facts)
-        assert facts["modes_kept"]
-
-
-def test_route_from_inside_the_wrappers_forward(legit: list[dict[str, dict[str, Any]]]) -> None:
-    for rank in legit:
-        facts = rank["inside-own-forward-ddp"]
-        assert (
-            facts["forward_calls"] == 1 and facts["differ"] == 0 and facts["max_ref_diff"] <= REFERENCE_TOLERANCE
-        ), facts
+def test_route_from_inside_the_wrappers_forward(pool: RankPool) -> None:
+    pool.run(inputs.inside_own_forward)
 
 
 def test_lazy_fn_rejected_without_wrapper_is_a_plain_call() -> None:
@@ -177,7 +148,8 @@ def test_lazy_fn_rejected_without_wrapper_is_a_plain_call() -> None:
     async def loss() -> int:
         return 3
 
-    assert asyncio.run(wr.route_loss(model, model, loss)) == 3
+    value = asyncio.run(wr.route_loss(model, model, loss))
+    assert value == 3, f"the awaited coroutine gave {value!r}, not fn's 3"
 
 
 # --- faults -------------------------------------------------------------------------------------------------
@@ -185,13 +157,7 @@ def test_lazy_fn_rejected_without_wrapper_is_a_plain_call() -> None:
 
 @pytest.mark.parametrize(("wrapper", "opts"), WRAPPERS)
 def test_exception_in_fn_on_every_rank(pool: RankPool, wrapper: str, opts: dict[str, Any]) -> None:
-    for rank in pool.run(faults.fault_then_exact, wrapper, opts):
-        assert rank["raised"] == "ValueError: boom inside the loss"
-        assert rank["after"] == rank["before"], rank  # forward, hooks, layout, in-forward flags
-        assert rank["after"]["sharded"] and not rank["after"]["in_forward"]
-        for step in rank["steps"]:
-            _exact(step)
-        assert rank["end"] == rank["before"]
+    pool.run(faults.fault_then_exact, wrapper, opts)
 
 
 @pytest.mark.parametrize(
@@ -199,11 +165,7 @@ def test_exception_in_fn_on_every_rank(pool: RankPool, wrapper: str, opts: dict[
     [pytest.param("fsdp2", {"groups": "layers"}, id="fsdp2"), pytest.param("ddp", {}, id="ddp"), REPLICATE, FABRIC],
 )
 def test_keyboard_interrupt_in_fn(pool: RankPool, wrapper: str, opts: dict[str, Any]) -> None:
-    for rank in pool.run(faults.fault_then_exact, wrapper, opts, True):
-        assert rank["raised"].startswith("KeyboardInterrupt")
-        assert rank["after"] == rank["before"], rank
-        for step in rank["steps"]:
-            _exact(step)
+    pool.run(faults.fault_then_exact, wrapper, opts, True)
 
 
 INTERRUPTED = [
@@ -221,11 +183,7 @@ INTERRUPTED = [
 def test_keyboard_interrupt_anywhere(pool: RankPool, wrapper: str, opts: dict[str, Any]) -> None:
     """Ctrl-C at each point of a routed call where Python could raise it, on both ranks: nothing left behind,
     and the next step exact (one-rank version with training calls: tests/test_route_interrupts.py)."""
-    for rank in pool.run(faults.interrupt_anywhere, wrapper, opts, timeout=600):
-        assert rank["points"] > 30 and not rank["broken"], rank["broken"]
-        assert len(rank["steps"]) == rank["points"] + 1
-        for step in rank["steps"]:
-            _exact(step)
+    pool.run(faults.interrupt_anywhere, wrapper, opts, timeout=600)
 
 
 AGREE = [
@@ -240,21 +198,12 @@ AGREE = [
 
 @pytest.mark.parametrize(("wrapper", "opts"), AGREE)
 def test_one_rank_fails_with_agree(pool: RankPool, wrapper: str, opts: dict[str, Any]) -> None:
-    ranks = pool.run(faults.one_rank_fails_agreed, wrapper, opts, timeout=120)
-    for index, rank in enumerate(ranks):
-        assert rank["raised"] == "RouteStateError", rank
-        assert "failed on rank(s) [1]" in rank["message"], rank
-        assert rank["cause"] == ("ValueError" if index == 1 else "NoneType"), rank
-        assert rank["clean"] and rank["agreed_ok"], rank
-        _exact(rank["next"])
+    pool.run(faults.one_rank_fails_agreed, wrapper, opts, timeout=120)
 
 
 def test_one_rank_fails_without_agree_is_bounded_by_the_group_timeout(pool: RankPool) -> None:
-    waiting, failed = pool.run(faults.one_rank_fails_bounded, 3.0, timeout=60)
-    assert failed["error"] == "ValueError: only rank 1 fails"
-    assert waiting["error"] is not None and "Timed out" in waiting["error"], waiting
-    assert 2.5 <= waiting["seconds"] <= 30, waiting
-    assert not waiting["forward_left"] and not failed["forward_left"]
+    """Rank 1 fails; rank 0 waits for the group's 3 s timeout: raised within 2.5 to 30 s."""
+    pool.run(faults.one_rank_fails_bounded, 3.0, (2.5, 30.0), timeout=60)
 
 
 # --- long run -----------------------------------------------------------------------------------------------
@@ -265,10 +214,7 @@ def test_one_rank_fails_without_agree_is_bounded_by_the_group_timeout(pool: Rank
 )
 def test_long_run(pool: RankPool, wrapper: str, opts: dict[str, Any], steps: int) -> None:
     """1,000 DDP steps (FSDP2, ~40 ms a step on 2 CPU ranks, runs 150 to stay in the suite's budget)."""
-    for rank in pool.run(lifetime.long_run, wrapper, opts, steps, 50, timeout=300):
-        assert rank["steps"] == steps
-        assert rank["forward_changed"] == 0 and rank["hooks_changed"] == 0, rank
-        assert rank["rss_growth_mib"] <= 5.0, rank
+    pool.run(lifetime.long_run, wrapper, opts, steps, 50, 5.0, timeout=300)
 
 
 @pytest.mark.parametrize(
@@ -285,90 +231,49 @@ def test_routing_does_not_keep_the_model_alive(pool: RankPool, wrapper: str, opt
     weakly. (All three failed before the fix: the per-model plan, and the FSDP units cache through FSDP's
     own state, held the model strongly.) Not DeepSpeed: the control fails there, deepspeed itself keeps
     every engine alive."""
-    for control, routed in zip(
-        pool.run(lifetime.released, wrapper, opts, False, timeout=120),
-        pool.run(lifetime.released, wrapper, opts, True, timeout=120),
-        strict=True,
-    ):
-        assert not control["inner_alive"] and not control["model_alive"], control  # collectable unrouted
-        assert not routed["inner_alive"] and not routed["model_alive"], routed
-        assert routed["plans_added"] == 0 and routed["redirections_added"] == 0, routed
+    pool.run(lifetime.released, wrapper, opts, False, timeout=120)  # the control: collectable unrouted
+    pool.run(lifetime.released, wrapper, opts, True, timeout=120)
 
 
 # --- edge cases found in review -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def edges(pool: RankPool) -> list[dict[str, Any]]:
-    return pool.run(edge_cases.edge_cases, timeout=120)
+def test_agree_with_a_gather_iterator_unshards_what_it_names(pool: RankPool) -> None:
+    pool.run(edge_cases.agree_gather_iterator, timeout=120)
 
 
-def test_agree_with_a_gather_iterator_unshards_what_it_names(edges: list[dict[str, Any]]) -> None:
-    # agree=True reran the call with the iterator already used up: embed stayed sharded (a DTensor)
-    for rank in edges:
-        assert rank["agree_gather_iterator"] == {False: "Parameter", True: "Parameter"}, rank
+def test_two_wrappers_over_one_module_are_both_restored(pool: RankPool) -> None:
+    pool.run(edge_cases.two_wrappers_restored, timeout=120)
 
 
-def test_two_wrappers_over_one_module_are_both_restored(edges: list[dict[str, Any]]) -> None:
-    # the second wrapper took the passthrough's slot: the first kept the passthrough for good
-    for rank in edges:
-        assert rank["two_wrappers_left"] == [False, False, False], rank
+def test_autocast_forward_put_back_is_kept_again(pool: RankPool) -> None:
+    pool.run(edge_cases.kept_autocast, timeout=120)
 
 
-def test_autocast_forward_put_back_is_kept_again(edges: list[dict[str, Any]]) -> None:
-    for rank in edges:
-        assert rank["kept_autocast"] == ["torch.bfloat16", "torch.float32", "torch.bfloat16"], rank
+def test_plain_call_that_read_the_passthrough_runs_after_the_loss_ended(pool: RankPool) -> None:
+    pool.run(edge_cases.plain_thread_after_loss, timeout=120)
 
 
-def test_plain_call_that_read_the_passthrough_runs_after_the_loss_ended(edges: list[dict[str, Any]]) -> None:
-    for rank in edges:
-        assert rank["plain_thread_after_loss"] == {"shape": [2, 4]}, rank
-
-
-def test_model_sharded_after_its_first_call_is_routed(edges: list[dict[str, Any]]) -> None:
-    for rank in edges:
-        assert rank["sharded_after_first_call"] == "FORWARD", rank
+def test_model_sharded_after_its_first_call_is_routed(pool: RankPool) -> None:
+    pool.run(edge_cases.sharded_after_first_call, timeout=120)
 
 
 # --- threads ------------------------------------------------------------------------------------------------
+# After each DDP case the next routed call must leave no stale DDP forward marker (checked in the rank).
 
 
-@pytest.fixture(scope="module")
-def threads(pool: RankPool) -> list[dict[str, Any]]:
-    return pool.run(concurrency.threads_cases, timeout=120)
+def test_threads_two_models_with_grad(pool: RankPool) -> None:
+    pool.run(concurrency.two_models_with_grad, timeout=120)
 
 
-def test_threads_two_models_with_grad(threads: list[dict[str, Any]]) -> None:
-    for rank in threads:
-        facts = rank["two_models"]
-        assert not facts["errors"] and facts["differ"] == 0 and facts["max_ref_diff"] <= REFERENCE_TOLERANCE, facts
-        assert not facts["forward_left"]
-
-
-def test_threads_train_and_evaluate_one_model(threads: list[dict[str, Any]]) -> None:
-    for rank in threads:
-        facts = rank["train_and_eval"]
-        assert not facts["errors"], facts
-        assert facts["differ"] == 0 and facts["max_ref_diff"] <= REFERENCE_TOLERANCE, facts
-        assert facts["eval_diff"] is not None and facts["eval_diff"] <= REFERENCE_TOLERANCE, facts
-        assert not facts["forward_left"]
+def test_threads_train_and_evaluate_one_model(pool: RankPool) -> None:
+    pool.run(concurrency.train_and_evaluate_one_model, timeout=120)
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
-def test_threads_two_grad_forwards_one_model_is_a_clear_error(threads: list[dict[str, Any]], wrapper: str) -> None:
-    for rank in threads:
-        facts = rank[f"two_grad_{wrapper}"]
-        assert facts["first_ok"] and facts["errors"] == ["RouteStateError"], facts
-        assert "another thread" in facts["message"] and "Serialise" in facts["message"], facts
-        assert facts["differ"] == 0 and facts["clean"], facts
+def test_threads_two_grad_forwards_one_model_is_a_clear_error(pool: RankPool, wrapper: str) -> None:
+    pool.run(concurrency.two_grad_forwards, wrapper, timeout=120)
 
 
-def test_threads_overlapping_on_replicate_keep_its_hooks(threads: list[dict[str, Any]]) -> None:
-    for rank in threads:
-        facts = rank["train_beside_eval_replicate"]
-        assert not facts["errors"] and facts["hooks"][0] > 0 and facts["hooks"][1] == facts["hooks"][0], facts
-        assert facts["differ"] == 0, facts
-
-
-def test_threads_leave_no_stale_ddp_marker(threads: list[dict[str, Any]]) -> None:
-    assert not any(rank["marker_left"] for rank in threads)
+def test_threads_overlapping_on_replicate_keep_its_hooks(pool: RankPool) -> None:
+    pool.run(concurrency.train_beside_eval, "replicate", timeout=120)

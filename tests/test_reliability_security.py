@@ -35,7 +35,7 @@ FORBIDDEN = [
 
 def test_package_executes_no_strings_and_unpickles_nothing_untrusted() -> None:
     files = sorted(PACKAGE.rglob("*.py"))
-    assert len(files) > 10
+    assert len(files) > 10, f"only {len(files)} files of the package found under {PACKAGE}"
     found = [
         f"{path.relative_to(PACKAGE.parent)}:{number}: {what}"
         for path in files
@@ -90,7 +90,7 @@ def test_cli_ctrl_c_exits_and_leaves_no_worker() -> None:
     _, err = cli.communicate(timeout=60)
     try:
         assert cli.returncode == 130, err[-2000:]
-        assert "interrupted" in err
+        assert "interrupted" in err, f"Ctrl-C is not said: {err[-2000:]}"
         assert not _gone(workers), "worker processes left behind"
     finally:
         for p in workers:
@@ -114,4 +114,5 @@ def test_cli_failure_leaves_no_worker() -> None:
 @pytest.mark.parametrize("name", ["ranks.py"])
 def test_pool_binds_loopback_by_configuration(name: str) -> None:
     text = (PACKAGE / name).read_text()
-    assert '"GLOO_SOCKET_IFNAME": "lo"' in text and "FileStore" in text and "TCPStore" not in text
+    assert '"GLOO_SOCKET_IFNAME": "lo"' in text, f"{name} does not pin gloo to the loopback interface"
+    assert "FileStore" in text and "TCPStore" not in text, f"{name} does not rendezvous through a FileStore only"

@@ -57,7 +57,7 @@ def test_gradient_truth(pool: RankPool, loss: str, setting: str) -> None:
     routed = pool.run(run_cell, _cell(loss, setting, routed=True))
     for rank in routed:
         assert rank.error is None, rank.error
-        assert rank.params > 0
+        assert rank.params > 0, f"no gradient compared: {rank}"
         assert rank.differ == 0, rank
         assert rank.max_ref_diff <= REFERENCE_TOLERANCE, rank
     assert routed[0].losses != routed[1].losses, "ranks must see different data"
@@ -102,72 +102,40 @@ def _crash_then_fallback(pool: RankPool, wrapper: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed (pip install wrapperroute[liger])")
-@pytest.mark.parametrize("mode", ["redirect", "auto"])
-def test_failed_compile_leaves_saved_tensor_hooks_on(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "expect"), [("redirect", "crash"), ("auto", "fallback")])
+def test_failed_compile_leaves_saved_tensor_hooks_on(mode: str, expect: str) -> None:
     with RankPool(2) as pool:  # fresh ranks: the failure needs a first compile (see the crash test)
-        results = pool.run(rankside_route_ddp.saved_tensor_hooks_after, mode)
-    for rank in results:
-        assert rank["hooks"], rank
-        if mode == "auto":
-            assert rank["fell_back"] and rank["error"] is None, rank
-        else:
-            assert "TensorWrapper" in rank["error"]
+        pool.run(rankside_route_ddp.saved_tensor_hooks_after, mode, expect)
 
 
 def test_no_sync_defers_allreduce(pool: RankPool) -> None:
-    for rank in pool.run(rankside_route_ddp.no_sync_skips_allreduce):
-        assert rank["differ_inside"] == rank["params"], "no all-reduce may happen inside no_sync"
-        assert rank["differ_after"] == 0
+    pool.run(rankside_route_ddp.no_sync_skips_allreduce)
 
 
 def test_exception_in_fn_restores_and_next_step_exact(pool: RankPool) -> None:
-    for rank in pool.run(rankside_route_ddp.fn_raises_then_exact):
-        assert rank["raised"] == "boom inside the loss"
-        assert rank["restored"], "the inner module must be left exactly as it was"
-        after = rank["after"]
-        assert after.error is None and after.differ == 0 and after.max_ref_diff <= REFERENCE_TOLERANCE
+    pool.run(rankside_route_ddp.fn_raises_then_exact)
 
 
 def test_nested_route_enters_wrapper_once(pool: RankPool) -> None:
-    for rank in pool.run(rankside_route_ddp.nested_runs_once):
-        assert rank["forward_calls"] == 1
-        assert rank["differ"] == 0
-        assert not rank["forward_left"]
+    pool.run(rankside_route_ddp.nested_runs_once)
 
 
 @pytest.mark.parametrize("find_unused", [False, True], ids=["default", "find_unused"])
 def test_pytree_outputs(pool: RankPool, find_unused: bool) -> None:
-    for rank in pool.run(rankside_route_ddp.pytree_outputs, find_unused):
-        assert rank["types"]["tuple"] == "tuple"
-        assert rank["types"]["dict"] == "dict"
-        assert rank["types"]["dataclass"] == "LossOutput"
-        assert all(d == 0 for d in rank["differ"].values()), rank
+    pool.run(rankside_route_ddp.pytree_outputs, find_unused)
 
 
 def test_threads_keep_their_payloads(pool: RankPool) -> None:
-    for rank in pool.run(rankside_route_ddp.threads_keep_their_payloads):
-        assert rank["got"] == {"a": "a", "b": "b"}
-        assert not rank["forward_left"] and not rank["marker_left"]
+    pool.run(rankside_route_ddp.threads_keep_their_payloads)
 
 
 def test_stale_ddp_forward_marker_neither_skips_routing_nor_stays(pool: RankPool) -> None:
-    for rank in pool.run(rankside_route_ddp.stale_ddp_marker):
-        assert rank["stale_before"], "the scenario must leave DDP's marker stale, or it proves nothing"
-        assert rank["routed"] and rank["differ"] == 0, rank
-        assert not rank["marker_left"]
+    pool.run(rankside_route_ddp.stale_ddp_marker)
 
 
 def test_through_compile_layers(pool: RankPool) -> None:
-    for rank in pool.run(rankside_route_ddp.compiled_layers):
-        for layout, facts in rank.items():
-            assert facts["differ"] == 0, (layout, facts)
-            assert facts["forward_restored"], (layout, facts)
+    pool.run(rankside_route_ddp.compiled_layers)
 
 
 def test_wrapper_that_replaces_the_token_is_named(pool: RankPool) -> None:
-    for rank in pool.run(rankside_route_ddp.token_replaced_by_wrapper):
-        failed, message = rank["swallow=False"]
-        assert failed != "returned" and "before the loss ran" in message, rank  # the wrapper's error, annotated
-        kind, message = rank["swallow=True"]
-        assert kind == "RouteStateError" and "without running the loss" in message, rank
-        assert not rank["forward_left"]
+    pool.run(rankside_route_ddp.token_replaced_by_wrapper)

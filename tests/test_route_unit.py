@@ -16,10 +16,11 @@ from wrapperroute.check.models import TinyConfig, build_model
 def test_detect_plain_and_compiled() -> None:
     model = build_model(TinyConfig())
     found = wr.detect(model)
-    assert (found.kind, found.chain, found.inner, found.wrapper) == ("none", ("module",), model, None)
+    assert (found.kind, found.chain, found.inner, found.wrapper) == ("none", ("module",), model, None), found
     compiled = torch.compile(model)
     found = wr.detect(compiled)
-    assert found.kind == "none" and found.chain == ("compile", "module") and found.inner is model
+    assert found.kind == "none" and found.chain == ("compile", "module"), f"a compiled module: {found}"
+    assert found.inner is model, f"a compiled module's inner is a {type(found.inner).__name__}, not the model"
     with pytest.raises(AttributeError):
         found.kind = "ddp"  # type: ignore[misc]  # immutable
 
@@ -28,8 +29,9 @@ def test_no_wrapper_calls_fn_directly() -> None:
     model = build_model(TinyConfig())
     ids = torch.zeros(1, 4, dtype=torch.long)
     out = wr.route_loss(model, model, lambda x, scale=1.0: model(x).sum() * scale, ids, scale=2.0)
-    assert torch.allclose(out, model(ids).sum() * 2.0)
-    assert "forward" not in model.__dict__
+    expected = model(ids).sum() * 2.0
+    assert torch.allclose(out, expected), f"fn(ids, scale=2.0) gave {float(out)}, called directly {float(expected)}"
+    assert "forward" not in model.__dict__, "the call left an instance forward"
 
 
 @pytest.mark.parametrize(
@@ -49,13 +51,14 @@ def test_bad_input_is_named(call, error, words) -> None:  # type: ignore[no-unty
     model = build_model(TinyConfig())
     with pytest.raises(error, match=words) as info:
         call(model)
-    assert isinstance(info.value, wr.WrapperRouteError)
-    assert "forward" not in model.__dict__
+    assert isinstance(info.value, wr.WrapperRouteError), f"{info.value!r} is not a WrapperRouteError"
+    assert "forward" not in model.__dict__, "the failed call left an instance forward"
 
 
 def test_submodule_is_accepted_as_unwrapped() -> None:
     model = build_model(TinyConfig())
-    assert wr.route_loss(model, model.lm_head, lambda: 5) == 5
+    value = wr.route_loss(model, model.lm_head, lambda: 5)
+    assert value == 5, f"fn's 5 came back as {value!r}"
 
 
 def test_call_survives_ddp_input_handling() -> None:
@@ -69,27 +72,30 @@ def test_call_survives_ddp_input_handling() -> None:
     module = nn.Linear(1, 1)
     call = Call(module, module, module, swap_for(module), DDPAdapter(), print, (), {}, None, None, "auto")
     moved_args, moved_kwargs = _to_kwargs((call,), {}, torch.device("cpu"), False)
-    assert moved_args[0][0] is call and moved_kwargs[0] == {}
+    assert moved_args[0][0] is call, f"DDP's move gave back {moved_args[0][0]!r}, not the call itself"
+    assert moved_kwargs[0] == {}, f"DDP's move made keyword arguments: {moved_kwargs[0]}"
     cast_args, _ = _cast_forward_inputs(torch.bfloat16, call)
-    assert cast_args[0] is call
+    assert cast_args[0] is call, f"DDP's cast gave back {cast_args[0]!r}, not the call itself"
 
 
 def test_fallback_key_is_stable_across_closures() -> None:
     def make() -> object:
         return lambda: 1
 
-    assert fallback_key(make()) == fallback_key(make())
+    first, second = fallback_key(make()), fallback_key(make())
+    assert first == second, f"two closures of one lambda keyed apart: {first!r}, {second!r}"
     import functools
 
-    assert fallback_key(functools.partial(make)) == fallback_key(make)
+    partial, plain = fallback_key(functools.partial(make)), fallback_key(make)
+    assert partial == plain, f"a partial keyed apart from its function: {partial!r}, {plain!r}"
 
 
 def test_graph_optimizer_failure_is_recognised_through_the_chain() -> None:
     inner = NotImplementedError("Cannot access storage of TensorWrapper")
     outer = RuntimeError("backend compiler failed")
     outer.__cause__ = inner
-    assert _is_graph_optimizer_failure(outer)
-    assert not _is_graph_optimizer_failure(RuntimeError("shape mismatch"))
+    assert _is_graph_optimizer_failure(outer), "the TensorWrapper failure as a compile error's cause is not recognised"
+    assert not _is_graph_optimizer_failure(RuntimeError("shape mismatch")), "a shape mismatch taken for one"
 
 
 def test_fast_path_facts_match_what_the_adapters_do() -> None:

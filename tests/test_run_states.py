@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from wrapperroute import route_loss
 from wrapperroute._groups import collective_device
-from wrapperroute.check.cell import REFERENCE_TOLERANCE
 from wrapperroute.ranks import RankPool
 
 NEEDS_DS = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
@@ -38,35 +37,22 @@ def test_a_plain_forward_that_raised_then_exact(
     premise) and, FSDP's, the parameters it gathered in place; an optimizer step makes those stale. The next
     routed steps still run inside the wrapper's forward, on the parameters the optimizer holds: exact."""
     # asserted in each rank, where the steps are taken and measured
-    assert len(pool.run(rankside_run_states.raised_forward_then_exact, wrapper, opts, step_after)) == 2
+    pool.run(rankside_run_states.raised_forward_then_exact, wrapper, opts, step_after)
 
 
 def test_check_grad_sync_compares_values_as_they_are(pool: RankPool) -> None:
-    for rank in pool.run(rankside_run_states.nan_and_dtype_reports):
-        assert rank["nan_on_rank1"]["differing"] == 1 and rank["nan_on_rank1"]["worst"] == ["0.weight"], rank
-        assert rank["nan_on_rank1"]["nonfinite"] == ["0.weight"], rank
-        assert rank["nan_alike"]["differing"] == 0 and rank["nan_alike"]["nonfinite"] == ["0.weight"], rank
-        assert rank["float64_tiny"]["differing"] == 1, rank
-        assert rank["float64_tiny"]["max"] == pytest.approx(1e-12, rel=0.01), rank
-        assert rank["equal"] == {"differing": 0, "nonfinite": [], "worst": [], "max": 0.0, "float32_equal": True}
-    assert rank["float64_tiny"]["float32_equal"], "the premise: float32 cannot see this difference"
+    pool.run(rankside_run_states.nan_and_dtype_reports)
 
 
 def test_agree_after_the_process_group_is_made_again(tmp_path: Path) -> None:
     """In ranks of its own: libraries cache groups of the default group they were made under (DeepSpeed's
     data-parallel groups do), which would break the suite's shared ranks after it."""
     with RankPool(2) as ranks:
-        found = ranks.run(rankside_run_states.agree_after_new_process_group, str(tmp_path / "store"))
-    for rank in found:
-        for step in (rank["before"], rank["after"]):
-            assert step["params"] and step["differ"] == 0 and step["max_ref_diff"] <= REFERENCE_TOLERANCE, rank
-        assert rank["old_side_group"] is not None, rank  # the premise: a side group kept from before is dead
+        ranks.run(rankside_run_states.agree_after_new_process_group, str(tmp_path / "store"))
 
 
 def test_the_unrouted_warning_points_at_the_callers_line(pool: RankPool) -> None:
-    for rank in pool.run(rankside_run_states.unrouted_warning_lines):
-        for way, (said, expected) in rank.items():
-            assert said == [expected], (way, said, expected)
+    pool.run(rankside_run_states.unrouted_warning_lines)
 
 
 # --- one process, one rank -------------------------------------------------------------------------------------
@@ -99,21 +85,24 @@ def test_a_hook_the_loss_registers_is_kept(one_rank: None, wrapper: str) -> None
     x = torch.randn(2, 4)
     route_loss(model, model, loss, x).backward()
     seen = len(calls)  # as natively, a hook registered during a forward may fire at that forward's end
-    assert len(handles) == 1 and seen <= 1
+    assert len(handles) == 1 and seen <= 1, f"{len(handles)} hooks registered, fired {seen} times in the loss"
     model(x).sum().backward()
     assert len(calls) == seen + 1, "the hook registered inside the loss was dropped"
     handles[0].remove()
     model(x).sum().backward()
-    assert len(calls) == seen + 1
+    assert len(calls) == seen + 1, f"the hook fired {len(calls) - seen - 1} times after its handle removed it"
 
 
 def test_collective_device_reads_the_backend_config(one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """A gloo group (real) takes CPU tensors; torch's default ``cpu:gloo,cuda:nccl`` too (its CPU backend);
     only a group without a CPU backend takes the accelerator's (the configs below are what torch reports; no GPU
     here, so the last two are read from a stand-in)."""
-    assert collective_device(dist.group.WORLD) == torch.device("cpu")
+    found = collective_device(dist.group.WORLD)
+    assert found == torch.device("cpu"), f"a gloo group's collectives on {found}"
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
-    assert collective_device() == torch.device("cpu")
+    found = collective_device()
+    assert found == torch.device("cpu"), f"cpu:gloo,cuda:nccl's collectives on {found}"
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    assert collective_device() == torch.device("cuda", 3)
+    found = collective_device()
+    assert found == torch.device("cuda", 3), f"cuda:nccl's collectives on {found}, not the current device cuda:3"

@@ -84,7 +84,4 @@ def test_routed_plays_as_native(pool: RankPool, tmp_path_factory: pytest.TempPat
 
 def test_the_net_catches_a_run_that_stops_training(pool: RankPool, tmp_path: Path) -> None:
     """The premise, native against native: a twin that skips its optimizer step once is caught at that step."""
-    ranks = pool.run(rankside_sequences.play_skewed, str(tmp_path))
-    for rank in ranks:
-        with pytest.raises(AssertionError, match="event 1 of"):
-            rankside_sequences.check("ddp", rank, ["train", "step", "train", "step"])
+    pool.run(rankside_sequences.skewed_run_is_caught, str(tmp_path))

@@ -61,15 +61,18 @@ def test_fsdp2_divide_factor_is_read(pool: RankPool) -> None:
     reason = WRAPPERS["fsdp2"].unavailable()
     if reason is not None:
         pytest.skip(reason)
-    assert max(pool.run(rankside_tokens.fsdp2_divide_factor)) <= REFERENCE_TOLERANCE
+    pool.run(rankside_tokens.fsdp2_divide_factor)
 
 
 def test_one_process() -> None:
     """No process group: the count itself; bad ones raise before anything else."""
     model = nn.Linear(2, 2)
-    assert float(token_divisor(model, 12)) == 12.0
-    assert float(token_divisor(model, torch.tensor(5, dtype=torch.int32))) == 5.0
-    assert token_divisor(model, 3).dtype == torch.get_default_dtype()
+    value = float(token_divisor(model, 12))
+    assert value == 12.0, f"the divisor of 12 tokens in one process: {value}"
+    value = float(token_divisor(model, torch.tensor(5, dtype=torch.int32)))
+    assert value == 5.0, f"the divisor of an int32 tensor of 5: {value}"
+    dtype = token_divisor(model, 3).dtype
+    assert dtype == torch.get_default_dtype(), f"the divisor's dtype {dtype}, not the default"
     for bad in (-1, 0.5, math.inf, "3", torch.zeros(3), 0):
         with pytest.raises(RouteValueError):
             token_divisor(model, bad)  # type: ignore[arg-type]
@@ -83,7 +86,5 @@ def test_trainer_compute_loss(pool: RankPool, layout: str) -> None:
     processes, an override does not) the gradient is half the mean's."""
     if layout == "zero3" and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs deepspeed")
-    exact = pool.run(rankside_tokens.trainer_token_mean, layout, "divisor")
-    assert all(rank["max_ref_diff"] <= REFERENCE_TOLERANCE for rank in exact), exact
-    naive = pool.run(rankside_tokens.trainer_token_mean, layout, "num_items")
-    assert all(rank["max_ref_diff"] > DIFFERENT_OBJECTIVE for rank in naive), naive
+    pool.run(rankside_tokens.trainer_token_mean, layout, "divisor")
+    pool.run(rankside_tokens.trainer_token_mean, layout, "num_items", DIFFERENT_OBJECTIVE)

@@ -85,9 +85,11 @@ def test_redirection_calls_method_and_restores(cls: Callable[[], Any], wrapped: 
         return a * scale
 
     out = cls()(outer, inner, method, x, scale=2.0)
-    assert torch.equal(out, x * 2.0)
-    assert torch.equal(seen[0], nn.functional.linear(x, inner.weight, inner.bias))
-    assert torch.equal(inner(x), nn.functional.linear(x, inner.weight, inner.bias))  # forward is the real one again
+    assert torch.equal(out, x * 2.0), f"{cls.__name__}: the method's result {out}, not x * 2"
+    linear = nn.functional.linear(x, inner.weight, inner.bias)
+    assert torch.equal(seen[0], linear), f"{cls.__name__}: inside the method, inner(x) is not the real forward"
+    # forward is the real one again
+    assert torch.equal(inner(x), linear), f"{cls.__name__}: after the call, inner(x) is not the real forward"
 
 
 @pytest.mark.parametrize("cls", _classes())
@@ -103,7 +105,7 @@ def test_redirection_hooks_run_in_order(cls: type) -> None:
 
     inner = nn.Linear(2, 2)
     Hooked()(Outer(inner), inner, lambda: events.append("method"))
-    assert events == ["method", "inner", "outer"]
+    assert events == ["method", "inner", "outer"], f"{cls.__name__}: the hooks ran as {events}"
 
 
 @pytest.mark.parametrize("cls", _classes())
@@ -119,18 +121,17 @@ def test_redirection_restores_on_exception(cls: Callable[[], Any]) -> None:
     cls()(Outer(clean), clean, lambda: None)
     leaked_attribute = "forward" in clean.__dict__
     if cls is ForwardRedirection:
-        assert not leaked_on_error and not leaked_attribute
+        said = f"the method left as the forward: {leaked_on_error}, a forward attribute left: {leaked_attribute}"
+        assert not leaked_on_error and not leaked_attribute, f"ours: {said}"
     else:  # documents TRL's behaviour; if TRL fixes it, drop this branch
-        assert leaked_on_error and leaked_attribute
+        said = f"the method left as the forward: {leaked_on_error}, a forward attribute left: {leaked_attribute}"
+        assert leaked_on_error and leaked_attribute, f"TRL's no longer leaks ({said}): drop this branch"
 
 
 def test_redirection_under_ddp_matches_trl(pool: RankPool) -> None:
-    ours = pool.run(rankside_trl.forward_redirection_ddp, False)[0]
-    assert ours["differ"] == 0 and ours["max_diff"] == 0.0 and not ours["forward_left"]
-    if HAS_TRL:
-        theirs = pool.run(rankside_trl.forward_redirection_ddp, True)[0]
-        assert theirs["differ"] == 0  # TRL's is correct here: same gradients
-        assert theirs["forward_left"]  # ...but leaves an instance forward behind
+    pool.run(rankside_trl.forward_redirection_ddp, False)
+    if HAS_TRL:  # TRL's is correct here (same gradients), but leaves an instance forward behind
+        pool.run(rankside_trl.forward_redirection_ddp, True)
 
 
 # --- patch_trl ---------------------------------------------------------------------------------------------
@@ -157,7 +158,8 @@ def test_patch_trl_is_idempotent_and_reversible(monkeypatch: pytest.MonkeyPatch)
     notes: list[str] = []
     trainers = fused_loss_trainers(notes)
     found = {cls.__module__ for cls in trainers}
-    assert found <= _fused_loss_modules()
+    outside = found - _fused_loss_modules()
+    assert not outside, f"trainers found outside the modules with a Liger path: {outside}"
     # every trainer module the text search finds is patched, or named in the note (some releases ship an
     # experimental trainer that fails to import without an optional package)
     unimported = {note.split(" ", 1)[0] for note in notes if " not imported (" in note}
@@ -167,22 +169,25 @@ def test_patch_trl_is_idempotent_and_reversible(monkeypatch: pytest.MonkeyPatch)
     try:
         first = patch_trl()
         second = patch_trl()
-        assert first.patched == second.patched
-        assert utils._ForwardRedirection is ForwardRedirection
+        assert first.patched == second.patched, f"patched twice: {first.patched}, then {second.patched}"
+        assert utils._ForwardRedirection is ForwardRedirection, "trl.models.utils keeps TRL's redirection"
         import trl.trainer.grpo_trainer as grpo  # imported after the patch: takes ours from trl.models.utils
 
         # a GRPO trainer that imports TRL's redirection (not every release does) takes ours
-        assert getattr(grpo, "_ForwardRedirection", ForwardRedirection) is ForwardRedirection
+        taken = getattr(grpo, "_ForwardRedirection", ForwardRedirection)
+        assert taken is ForwardRedirection, f"the GRPO trainer imported after the patch took {taken}"
         for owner in owners:
             if owner.__module__.startswith("transformers"):
                 continue  # the Trainer's own compute_loss is never touched
             assert f"{owner.__module__}.{owner.__qualname__}.compute_loss" in first.patched, first.patched
-            assert owner.__dict__["compute_loss"] is not originals[owner]
+            assert owner.__dict__["compute_loss"] is not originals[owner], f"{owner.__qualname__} was not patched"
     finally:
         unpatch_trl()
-    assert all(owner.__dict__["compute_loss"] is original for owner, original in originals.items())
-    assert utils._ForwardRedirection is not ForwardRedirection
-    assert getattr(grpo, "_ForwardRedirection", utils._ForwardRedirection) is utils._ForwardRedirection  # back too
+    kept = [owner.__qualname__ for owner, before in originals.items() if owner.__dict__["compute_loss"] is not before]
+    assert not kept, f"unpatched, these still hold a patched compute_loss: {kept}"
+    assert utils._ForwardRedirection is not ForwardRedirection, "unpatched, trl.models.utils still holds ours"
+    back = getattr(grpo, "_ForwardRedirection", utils._ForwardRedirection)
+    assert back is utils._ForwardRedirection, f"unpatched, the GRPO trainer still holds {back}"  # back too
 
     monkeypatch.setattr(integration, "fused_loss_trainers", lambda notes=None: [])  # a TRL with none
     try:
@@ -308,6 +313,7 @@ def test_naive_dpo_fix(pool: RankPool, tmp_path: pathlib.Path) -> None:
     naive = _trl_step(pool, "dpo", "naive", tmp_path)
     print(f"\n{_row(naive)}")
     if _defines_liger_loss("dpo"):
-        assert len(naive["errors"]) == 2 and all("TensorWrapper" in error for error in naive["errors"].values())
+        errors = naive["errors"]
+        assert len(errors) == 2 and all("TensorWrapper" in e for e in errors.values()), f"the naive fix: {errors}"
     else:
         assert not naive["errors"] and naive["differ"] == 0 and naive["params"] > 0, naive

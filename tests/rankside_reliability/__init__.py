@@ -8,8 +8,10 @@
 - ``edge_cases``: a gather iterator under ``agree``, two wrappers over one module, an instance forward put
   back, a plain call in another thread, a model sharded after its first call.
 
-Every expected exception is caught in the bodies and returned as data, so the happy path never restarts the
-pool. (Module level: the pool pickles the bodies by reference.)
+Each body asserts its facts where it finds them, each ``assert`` saying what broke, and returns nothing: a
+failure reaches the test as the rank's ``RankAssertionError`` naming that line. Every expected exception is
+caught in the bodies, so the happy path never restarts the pool. (Module level: the pool pickles the bodies by
+reference.)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from wrapperroute import detect, route_loss
-from wrapperroute.check.cell import differing_across_ranks, max_grad_diff
+from wrapperroute.check.cell import REFERENCE_TOLERANCE, differing_across_ranks, max_grad_diff
 from wrapperroute.check.losses import LOSSES, make_batch
 from wrapperroute.check.models import TinyConfig, build_model
 from wrapperroute.check.wrappers import WRAPPERS, Wrapped, build_none
@@ -44,7 +46,7 @@ def hook_count(module: nn.Module) -> int:
 def snapshot(wrapped: Wrapped) -> dict[str, Any]:
     """What routing must leave exactly as it found it."""
     found = detect(wrapped.model)
-    assert found.wrapper is not None and found.adapter is not None
+    assert found.wrapper is not None and found.adapter is not None, f"no wrapper found on {type(wrapped.model)}"
     target = found.adapter.redirect_target(found.wrapper)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -80,8 +82,16 @@ def _sharded(kind: str, wrapper: nn.Module) -> bool:
     return True
 
 
-def truth_step(wrapped: Wrapped, reference: Wrapped, step: int, config: TinyConfig = CONFIG) -> dict[str, Any]:
-    """One routed fused-CE step, then gradient truth against a single process on the global batch."""
+def changed(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """What differs between two snapshots: ``{key: (before, after)}``."""
+    return {key: (before.get(key), after.get(key)) for key in before.keys() | after.keys()
+            if before.get(key) != after.get(key)}  # fmt: skip
+
+
+def truth_step(wrapped: Wrapped, reference: Wrapped, step: int, config: TinyConfig = CONFIG, after: str = "") -> None:
+    """One routed fused-CE step, asserted exact: every parameter's gradient the same on every rank and within
+    REFERENCE_TOLERANCE of a single process's on the global batch. ``after``: what came before it, for the
+    message."""
     case = LOSSES["fused_ce"]
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = make_batch(case, config, rank, step, 0)
@@ -94,7 +104,12 @@ def truth_step(wrapped: Wrapped, reference: Wrapped, step: int, config: TinyConf
     ref_diff = max_grad_diff(grads, reference.full_grads())
     wrapped.step()
     reference.step()
-    return {"differ": differ, "max_ref_diff": ref_diff, "params": len(grads)}
+    where = f"{type(wrapped.model).__name__}, routed step {step}" + (f" after {after}" if after else "")
+    assert grads, f"{where}: no gradient to compare"
+    assert differ == 0, f"{where}: {differ} of {len(grads)} parameters' gradients differ across ranks"
+    assert ref_diff <= REFERENCE_TOLERANCE, (
+        f"{where}: gradients {ref_diff:.3g} from one process's on the global batch (tolerance {REFERENCE_TOLERANCE})"
+    )
 
 
 def build(wrapper: str, opts: dict[str, Any] | None = None, config: TinyConfig = CONFIG) -> tuple[Wrapped, Wrapped]:

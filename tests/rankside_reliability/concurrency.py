@@ -1,23 +1,25 @@
-"""Rank bodies for tests/test_reliability.py: concurrent routing from two threads of each rank."""
+"""Rank bodies for tests/test_reliability.py: concurrent routing from two threads of each rank, one function a
+case. Overlapping DDP forwards in two threads may leave DDP's class-wide forward marker stale: after each DDP
+case, the next routed call must clear it (adapters/ddp.py)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from rankside_reliability import CONFIG, snapshot
 from wrapperroute import route_loss
-from wrapperroute.check.cell import differing_across_ranks
+from wrapperroute.check.cell import REFERENCE_TOLERANCE, differing_across_ranks
 from wrapperroute.check.losses import LOSSES, make_batch
 from wrapperroute.check.models import build_model
 from wrapperroute.check.wrappers import WRAPPERS
 
 
 def _threads(*workers: Any) -> list[Any]:
-    import threading
-
     results: list[Any] = [None] * len(workers)
 
     def run(index: int) -> None:
@@ -34,31 +36,34 @@ def _threads(*workers: Any) -> list[Any]:
     return results
 
 
-def threads_cases() -> dict[str, Any]:
-    """Concurrent routing from two threads of each rank.
-    - two DDP models on two process groups, both with grad: each exact;
-    - one DDP model, a training thread (grad) and an evaluation thread (no_grad) inside the forward at once:
-      training exact, evaluation value correct;
-    - one DDP model, two grad-enabled threads inside the forward at once: one RouteStateError, the other
-      completes, the forward restored;
-    - one FSDP2 model, two threads at once: one RouteStateError."""
-    import threading
+def _raised(results: list[Any]) -> list[str]:
+    return [repr(r)[:400] for r in results if isinstance(r, Exception)]
 
+
+def _no_marker_after_a_route(ddp: nn.Module, model: nn.Module, after: str) -> None:
+    """A routed no-grad call clears DDP's forward marker if the threads left it stale."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    with torch.no_grad():
+        route_loss(ddp, model, lambda: None)
+    left = DDP._active_ddp_module
+    assert left is None, f"after {after}, a routed call left DDP's forward marker set (on a {type(left).__name__})"
+
+
+def two_models_with_grad() -> None:
+    """Two DDP models on two process groups, one thread each, both with grad and inside their wrapper's forward
+    together: each exact (one group would interleave the two reducers' all-reduces differently per rank)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     case = LOSSES["fused_ce"]
     rank, world = dist.get_rank(), dist.get_world_size()
-    out: dict[str, Any] = {}
-
-    # two models, two groups (one group would interleave the two reducers' all-reduces differently per rank)
     groups = [dist.new_group(), dist.new_group()]
     models = [build_model(CONFIG, seed=i) for i in range(2)]
     refs = [build_model(CONFIG, seed=i) for i in range(2)]
     ddps = [DDP(m, process_group=g) for m, g in zip(models, groups, strict=True)]
     barrier = threading.Barrier(2, timeout=30)
 
-    def train(i: int) -> float:
+    def train(i: int) -> None:
         batch = make_batch(case, CONFIG, rank, i, 0)
 
         def fn() -> torch.Tensor:
@@ -66,22 +71,33 @@ def threads_cases() -> dict[str, Any]:
             return case.compute(models[i], batch, {})  # type: ignore[arg-type]
 
         route_loss(ddps[i], models[i], fn).backward()
-        return 0.0
 
-    results = _threads(lambda: train(0), lambda: train(1))
-    worst, differ = 0.0, 0
+    errors = _raised(_threads(lambda: train(0), lambda: train(1)))
+    assert not errors, f"a training thread raised: {errors}"
     for i in range(2):
         grads = {n: p.grad.detach().clone() for n, p in models[i].named_parameters()}
-        differ += differing_across_ranks(grads)[0]
+        differ = differing_across_ranks(grads)[0]
         batches = [make_batch(case, CONFIG, r, i, 0) for r in range(world)]
         case.compute(refs[i], case.concat(batches), {}).backward()  # type: ignore[arg-type]
-        worst = max(worst, max(float((grads[n] - p.grad).abs().max()) for n, p in refs[i].named_parameters()))
-    out["two_models"] = {"errors": [repr(r) for r in results if r is not None and r != 0.0], "differ": differ,
-                         "max_ref_diff": worst, "forward_left": any("forward" in m.__dict__ for m in models)}
+        worst = max(float((grads[n] - p.grad).abs().max()) for n, p in refs[i].named_parameters())
+        assert differ == 0, f"model {i}: {differ} parameters' gradients differ across ranks"
+        assert worst <= REFERENCE_TOLERANCE, f"model {i}: gradients {worst:.3g} from one process's on the global batch"
+    left = [i for i, m in enumerate(models) if "forward" in m.__dict__]
+    assert not left, f"models {left} kept an instance forward"
+    _no_marker_after_a_route(ddps[0], models[0], "two DDP forwards overlapping in two threads")
+    for group in groups:
+        dist.destroy_process_group(group)
 
-    # one model: train (grad) + evaluate (no_grad) concurrently. The evaluation enters first and is still
-    # running its loss when the training step starts: the training call must still get DDP's real forward
-    # (the evaluation's "wrapper call inside the loss = plain call" applies to the evaluation's thread only).
+
+def train_and_evaluate_one_model() -> None:
+    """One DDP model, a training thread (grad) and an evaluation thread (no_grad) inside the forward at once:
+    training exact, the evaluation's value correct. The evaluation enters first and is still running its loss
+    when the training step starts: the training call must still get DDP's real forward (the evaluation's
+    "wrapper call inside the loss = plain call" applies to the evaluation's thread only)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    case = LOSSES["fused_ce"]
+    rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = build_model(CONFIG), build_model(CONFIG)
     ddp = DDP(model)
     eval_inside, train_inside = threading.Event(), threading.Event()
@@ -108,34 +124,25 @@ def threads_cases() -> dict[str, Any]:
 
     results = _threads(trainer, evaluator)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    differ = differing_across_ranks(grads)[0]
     batches = [make_batch(case, CONFIG, r, 0, 0) for r in range(world)]
     case.compute(ref, case.concat(batches), {}).backward()  # type: ignore[arg-type]
+    worst = max(float((grads[n] - p.grad).abs().max()) for n, p in ref.named_parameters())
     with torch.no_grad():
         expected_eval = case.compute(build_model(CONFIG), eval_batch, {})  # type: ignore[arg-type]
-    out["train_and_eval"] = {
-        "errors": [repr(r) for r in results if not isinstance(r, torch.Tensor)],
-        "differ": differing_across_ranks(grads)[0],
-        "max_ref_diff": max(float((grads[n] - p.grad).abs().max()) for n, p in ref.named_parameters()),
-        "eval_diff": float((results[1] - expected_eval).abs()) if isinstance(results[1], torch.Tensor) else None,
-        "forward_left": "forward" in model.__dict__,
-    }
-
-    # one model, two grad-enabled forwards at once: a clear error for the second, the first completes
-    for wrapper in ("ddp", "fsdp2"):
-        out[f"two_grad_{wrapper}"] = _two_grad(wrapper)
-    out["train_beside_eval_replicate"] = _train_beside_eval("replicate")
-    for group in groups:
-        dist.destroy_process_group(group)
-    # Overlapping DDP forwards may leave DDP's class-wide marker stale; routing clears it (adapters/ddp.py).
-    with torch.no_grad():
-        route_loss(ddp, model, lambda: None)
-    out["marker_left"] = DDP._active_ddp_module is not None
-    return out
+    errors = [repr(r)[:400] for r in results if not isinstance(r, torch.Tensor)]
+    assert not errors, f"a thread did not return its loss: {errors}"
+    assert differ == 0, f"training beside an evaluation: {differ} parameters' gradients differ across ranks"
+    assert worst <= REFERENCE_TOLERANCE, f"training beside an evaluation: gradients {worst:.3g} from one process's"
+    eval_diff = float((results[1] - expected_eval).abs())
+    assert eval_diff <= REFERENCE_TOLERANCE, f"the evaluation's loss is {eval_diff:.3g} from one process's"
+    assert "forward" not in model.__dict__, "the model kept an instance forward"
+    _no_marker_after_a_route(ddp, model, "a training and an evaluation forward overlapping in two threads")
 
 
-def _two_grad(wrapper: str) -> dict[str, Any]:
-    import threading
-
+def two_grad_forwards(wrapper: str) -> None:
+    """One model, two grad-enabled threads inside the forward at once: a RouteStateError for the second that
+    says what to do, the first completes, in sync, and the forward is restored."""
     from wrapperroute import RouteStateError
 
     case = LOSSES["fused_ce"]
@@ -161,25 +168,25 @@ def _two_grad(wrapper: str) -> dict[str, Any]:
 
     results = _threads(first, second)
     errors = [r for r in results if isinstance(r, Exception)]
-    if isinstance(results[0], torch.Tensor):
+    first_ok = isinstance(results[0], torch.Tensor)
+    if first_ok:
         wrapped.backward(results[0])
     after = snapshot(wrapped)
-    return {
-        "first_ok": isinstance(results[0], torch.Tensor),
-        "errors": ["RouteStateError" if isinstance(e, RouteStateError) else type(e).__name__ for e in errors],
-        "message": str(errors[-1]) if errors else "",
-        "all": [repr(e)[:400] for e in errors],
-        "differ": differing_across_ranks(wrapped.full_grads())[0],
-        "clean": not after["target_forward"] and not after["in_forward"],
-    }
+    differ = differing_across_ranks(wrapped.full_grads())[0]
+    kinds = ["RouteStateError" if isinstance(e, RouteStateError) else type(e).__name__ for e in errors]
+    assert first_ok and kinds == ["RouteStateError"], f"first thread {results[0]!r}; raised: {_raised(results)}"
+    message = str(errors[-1])
+    assert "another thread" in message and "Serialise" in message, f"the error does not say what to do: {message}"
+    assert differ == 0, f"the first thread's step: {differ} parameters' gradients differ across ranks"
+    assert not after["target_forward"] and not after["in_forward"], f"the forward was not restored: {after}"
+    if wrapper == "ddp":
+        _no_marker_after_a_route(wrapped.model, inner, "a second grad-enabled forward refused")
 
 
-def _train_beside_eval(wrapper: str) -> dict[str, Any]:
+def train_beside_eval(wrapper: str) -> None:
     """A wrapper whose hooks are set aside while a loss runs (``replicate``): an evaluation (no_grad) enters
     first, a training step enters while it runs, the evaluation leaves first. Both calls had the hooks aside at
     once; after them, and after one more step, the hooks are all back and the gradients in sync."""
-    import threading
-
     case = LOSSES["fused_ce"]
     wrapped = WRAPPERS[wrapper].build(build_model(CONFIG), {})
     model, inner = wrapped.model, wrapped.inner
@@ -213,8 +220,9 @@ def _train_beside_eval(wrapper: str) -> dict[str, Any]:
         param.grad = None
     step = make_batch(case, CONFIG, dist.get_rank(), 1, 0)
     wrapped.backward(route_loss(model, inner, case.compute, inner, step, {}))
-    return {
-        "errors": [repr(r)[:400] for r in results if not isinstance(r, torch.Tensor)],
-        "hooks": (hooks_before, hooks_after),
-        "differ": differing_across_ranks(wrapped.full_grads())[0],
-    }
+    differ = differing_across_ranks(wrapped.full_grads())[0]
+    errors = [repr(r)[:400] for r in results if not isinstance(r, torch.Tensor)]
+    assert not errors, f"a thread did not return its loss: {errors}"
+    assert hooks_before > 0, f"{wrapper} has no forward hooks to set aside: this proves nothing"
+    assert hooks_after == hooks_before, f"{hooks_before} forward hooks before the overlapping calls, {hooks_after} now"
+    assert differ == 0, f"the step after: {differ} parameters' gradients differ across ranks"

@@ -1,4 +1,5 @@
-"""Rank bodies for tests/test_reliability.py: edge cases of gather=, layered wrappers and instance forwards."""
+"""Rank bodies for tests/test_reliability.py: edge cases of gather=, layered wrappers and instance forwards, one
+function a case."""
 
 from __future__ import annotations
 
@@ -20,59 +21,63 @@ class _Three(nn.Module):
         return self.lm_head(self.body(self.embed(x)))
 
 
-def edge_cases() -> dict[str, Any]:
-    """Each case as data (what the loss saw, what is left on the modules), for the test to judge.
-    - agree=True with a one-shot iterator for gather= (FSDP2: embed and lm_head in their own groups);
-    - two DDP wrappers over one module, a no-grad route through the second inside a loss routed through
-      the first: both wrappers' forwards restored and usable;
-    - an autocast instance forward (accelerate's AMP shape) removed for one step and the same one put back;
-    - a plain model(x) in another thread that read the wrapper's forward while a loss ran, then ran it after
-      that loss ended;
-    - a model first routed through a torch.compile layer with no wrapper, then fully_shard-ed."""
+def _mesh() -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def agree_gather_iterator() -> None:
+    """agree=True with a one-shot iterator for gather= (FSDP2: embed and lm_head in their own groups): the loss
+    sees embed unsharded with and without agree (agree=True reran the call with the iterator already used up:
+    embed stayed sharded, a DTensor)."""
     from wrapperroute.check.wrap_fsdp import fsdp2_api
 
-    fully_shard = fsdp2_api().fully_shard
+    fully_shard, mesh = fsdp2_api().fully_shard, _mesh()
+    sharded = _Three()
+    for unit in (sharded.embed, sharded.lm_head, sharded):
+        fully_shard(unit, mesh=mesh)
+    for agree in (False, True):
+        seen = route_loss(
+            sharded, None, lambda: type(sharded.embed.weight).__name__, gather=iter([sharded.embed]), agree=agree
+        )
+        assert seen == "Parameter", f"agree={agree}: the loss saw embed.weight as a {seen}, not gathered"
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    x = torch.randn(2, 4)
 
-    def agree_gather_iterator() -> Any:
-        sharded = _Three()
-        for unit in (sharded.embed, sharded.lm_head, sharded):
-            fully_shard(unit, mesh=mesh)
-        return {
-            agree: route_loss(
-                sharded, None, lambda: type(sharded.embed.weight).__name__, gather=iter([sharded.embed]), agree=agree
-            )
-            for agree in (False, True)
-        }
+def two_wrappers_restored() -> None:
+    """Two DDP wrappers over one module, a no-grad route through the second inside a loss routed through the
+    first: no forward left on either wrapper or the module (the second took the passthrough's slot, and the
+    first kept the passthrough for good), and both usable."""
+    left = _two_wrappers(torch.randn(2, 4))
+    assert left == [False, False, False], f"a forward left on [first, second, module]: {left}"
 
-    def two_wrappers_left() -> Any:
-        return _two_wrappers(x)
 
-    def kept_autocast() -> Any:
-        return _kept_autocast(x)
+def kept_autocast() -> None:
+    """An autocast instance forward (accelerate's AMP shape) removed for one step and the same one put back: the
+    loss runs in it, then not, then in it again."""
+    seen = _kept_autocast(torch.randn(2, 4))
+    expected = ["torch.bfloat16", "torch.float32", "torch.bfloat16"]
+    assert seen == expected, f"the loss's dtype with the autocast forward present, absent, present: {seen}"
 
-    def plain_thread_after_loss() -> Any:
-        return _plain_thread(x)
 
-    def sharded_after_first_call() -> Any:
-        late = nn.Linear(4, 4)
-        compiled = torch.compile(late, backend="eager")
-        route_loss(compiled, late, lambda: None)  # planned: no wrapper yet
-        fully_shard(late, mesh=mesh)
-        return route_loss(compiled, late, lambda: late._get_fsdp_state()._training_state.name)  # type: ignore[operator]
+def plain_thread_after_loss() -> None:
+    """A plain model(x) in another thread that read the wrapper's forward while a loss ran, then ran it after
+    that loss ended: it runs as a plain call."""
+    result = _plain_thread(torch.randn(2, 4))
+    assert result == {"shape": [2, 4]}, f"the plain call in the other thread: {result}"
 
-    out: dict[str, Any] = {}
-    for case in (agree_gather_iterator, two_wrappers_left, kept_autocast, plain_thread_after_loss,
-                 sharded_after_first_call):  # fmt: skip
-        try:
-            out[case.__name__] = case()
-        except Exception as error:  # each case reports on its own
-            out[case.__name__] = f"{type(error).__name__}: {error}"
-    return out
+
+def sharded_after_first_call() -> None:
+    """A model first routed through a torch.compile layer with no wrapper, then fully_shard-ed: the next loss
+    runs inside FSDP2's forward."""
+    from wrapperroute.check.wrap_fsdp import fsdp2_api
+
+    late = nn.Linear(4, 4)
+    compiled = torch.compile(late, backend="eager")
+    route_loss(compiled, late, lambda: None)  # planned: no wrapper yet
+    fsdp2_api().fully_shard(late, mesh=_mesh())
+    state = route_loss(compiled, late, lambda: late._get_fsdp_state()._training_state.name)  # type: ignore[operator]
+    assert state == "FORWARD", f"the loss ran in FSDP2's {state} state, not inside its forward"
 
 
 def _two_wrappers(x: torch.Tensor) -> list[bool]:

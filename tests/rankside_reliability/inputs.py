@@ -8,12 +8,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rankside_reliability import CONFIG, build, snapshot, truth_step
+from rankside_reliability import CONFIG, build, changed, snapshot, truth_step
 from wrapperroute import route_loss
-from wrapperroute.check.cell import differing_across_ranks
+from wrapperroute.check.cell import REFERENCE_TOLERANCE, differing_across_ranks
 from wrapperroute.check.losses import LOSSES, make_batch
 from wrapperroute.check.models import build_model
-from wrapperroute.check.wrappers import Wrapped
 
 
 class _Holder:
@@ -23,18 +22,19 @@ class _Holder:
         self.loss = loss
 
 
-def bad_input_cases() -> dict[str, dict[str, Any]]:
-    """Mistakes made against a real DDP / FSDP2 model. For each: the exception (type, message), whether the
-    wrapper is exactly as before (forward attributes, hook counts, layout), and a routed step on the same
-    model afterwards (gradient truth)."""
+def bad_input(case: str, error: str, words: str, fix: str | None) -> None:
+    """One mistake made against a real DDP (``find_unused_parameters=True``) or FSDP2 model (the cases ending in
+    ``-fsdp2``): the exception ``error`` saying ``words`` (and the ``fix``, where given), a WrapperRouteError and
+    a TypeError or ValueError; the wrapper exactly as before (forward attributes, hook counts, layout); and a
+    routed step on the same model afterwards exact."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    results: dict[str, dict[str, Any]] = {}
-    ddp, ddp_ref = build("ddp", {"find_unused_parameters": True})
-    fsdp2, fsdp2_ref = build("fsdp2", {"groups": "layers"})
-    inner: Any = ddp.inner
+    if case.endswith("-fsdp2"):
+        wrapped, reference = build("fsdp2", {"groups": "layers"})
+    else:
+        wrapped, reference = build("ddp", {"find_unused_parameters": True})
+    model, inner = wrapped.model, wrapped.inner
     ids = make_batch(LOSSES["fused_ce"], CONFIG, dist.get_rank(), 0, 0)["input_ids"]
-    other = DDP(build_model(CONFIG))
 
     def loss() -> torch.Tensor:
         return (inner(ids) @ inner.lm_head.weight.t()).logsumexp(-1).mean()
@@ -45,66 +45,69 @@ def bad_input_cases() -> dict[str, dict[str, Any]]:
     def generator_loss() -> Any:
         yield loss()
 
-    cases: dict[str, tuple[Wrapped, Wrapped, Any]] = {
-        "unwrapped-is-the-wrapper": (ddp, ddp_ref, lambda: route_loss(ddp.model, ddp.model, loss)),
-        "unwrapped-of-another-model": (ddp, ddp_ref, lambda: route_loss(ddp.model, other.module, loss)),
-        "gather-outside-fsdp2": (
-            fsdp2, fsdp2_ref, lambda: route_loss(fsdp2.model, fsdp2.inner, loss, gather=[nn.Linear(2, 2)])
-        ),
-        "gather-by-name": (ddp, ddp_ref, lambda: route_loss(ddp.model, inner, loss, gather="lm_head")),
-        "no-tensor-find-unused": (ddp, ddp_ref, lambda: route_loss(ddp.model, inner, lambda: _Holder(loss()))),
-        "detached-find-unused": (ddp, ddp_ref, lambda: route_loss(ddp.model, inner, lambda: loss().detach())),
-        "async-fn": (ddp, ddp_ref, lambda: route_loss(ddp.model, inner, async_loss)),
-        "generator-fn": (ddp, ddp_ref, lambda: route_loss(ddp.model, inner, generator_loss)),
-        "async-fn-fsdp2": (fsdp2, fsdp2_ref, lambda: route_loss(fsdp2.model, fsdp2.inner, async_loss)),
+    calls: dict[str, Any] = {
+        "unwrapped-is-the-wrapper": lambda: route_loss(model, model, loss),
+        "unwrapped-of-another-model": lambda: route_loss(model, DDP(build_model(CONFIG)).module, loss),
+        "gather-outside-fsdp2": lambda: route_loss(model, inner, loss, gather=[nn.Linear(2, 2)]),
+        "gather-by-name": lambda: route_loss(model, inner, loss, gather="lm_head"),
+        "no-tensor-find-unused": lambda: route_loss(model, inner, lambda: _Holder(loss())),
+        "detached-find-unused": lambda: route_loss(model, inner, lambda: loss().detach()),
+        "async-fn": lambda: route_loss(model, inner, async_loss),
+        "generator-fn": lambda: route_loss(model, inner, generator_loss),
+        "async-fn-fsdp2": lambda: route_loss(model, inner, async_loss),
     }
-    step = {"ddp": 0, "fsdp2": 0}
-    for name, (wrapped, reference, call) in cases.items():
-        before = snapshot(wrapped)
-        entry: dict[str, Any] = {"error": None, "message": ""}
-        try:
-            call()
-        except Exception as error:
-            entry.update(error=type(error).__name__, message=str(error), mro=[c.__name__ for c in type(error).__mro__])
-        entry["clean"] = snapshot(wrapped) == before
-        kind = "ddp" if wrapped is ddp else "fsdp2"
-        entry["after"] = truth_step(wrapped, reference, step[kind])
-        step[kind] += 1
-        results[name] = entry
-    return results
+    before = snapshot(wrapped)
+    raised: Exception | None = None
+    try:
+        calls[case]()
+    except Exception as caught:
+        raised = caught
+    said = f"{type(raised).__name__}: {raised}" if raised is not None else "no error"
+    assert type(raised).__name__ == error and words in str(raised), f"{case}: wanted {error} saying {words!r}: {said}"
+    mro = [c.__name__ for c in type(raised).__mro__]
+    assert "WrapperRouteError" in mro and ("TypeError" in mro or "ValueError" in mro), f"{case}: {said} is {mro}"
+    assert fix is None or fix in str(raised), f"{case}: the message does not name the fix {fix!r}: {said}"
+    left = changed(before, snapshot(wrapped))
+    assert not left, f"{case}: state left behind: {left}"
+    truth_step(wrapped, reference, 0, after=case)  # the same wrapper, next step
 
 
-def legit_cases() -> dict[str, dict[str, Any]]:
-    """Uses that look odd but are legitimate, proved to route correctly:
-    - under torch.no_grad() (an evaluation loss): FSDP1/FSDP2 still unshard (the loss value equals a single
-      process's), DDP arms nothing, every wrapper is back to its layout, and the next grad step is exact;
-    - a model in eval() mode: routed, modes untouched, gradients exact;
-    - route_loss called from inside the wrapper's own forward: fn runs directly, the forward is entered once."""
+def no_grad_evaluation(wrapper: str, opts: dict[str, Any]) -> None:
+    """A routed loss under torch.no_grad() (an evaluation loss): FSDP1/FSDP2 still unshard (the loss value equals
+    a single process's), DDP arms nothing, the wrapper is back to its layout, and the next grad step is exact."""
     case = LOSSES["fused_ce"]
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out: dict[str, dict[str, Any]] = {}
-    for wrapper, opts in (("ddp", {}), ("fsdp1", {"lm_head_unit": True}), ("fsdp2", {"groups": "layers"})):
-        wrapped, reference = build(wrapper, opts)
-        batch = make_batch(case, CONFIG, rank, 0, 0)
-        before = snapshot(wrapped)
-        with torch.no_grad():
-            value = route_loss(wrapped.model, wrapped.inner, case.compute, wrapped.inner, batch, {})
-            expected = case.compute(reference.model, batch, {})  # type: ignore[arg-type]
-        out[f"no_grad-{wrapper}"] = {
-            "value_diff": float((value - expected).abs()),
-            "requires_grad": value.requires_grad,
-            "clean": snapshot(wrapped) == before,
-            "after": truth_step(wrapped, reference, 0),
-        }
+    wrapped, reference = build(wrapper, opts)
+    batch = make_batch(case, CONFIG, dist.get_rank(), 0, 0)
+    before = snapshot(wrapped)
+    with torch.no_grad():
+        value = route_loss(wrapped.model, wrapped.inner, case.compute, wrapped.inner, batch, {})
+        expected = case.compute(reference.model, batch, {})  # type: ignore[arg-type]
+    diff = float((value - expected).abs())
+    assert diff <= REFERENCE_TOLERANCE, f"the no_grad loss is {diff:.3g} from one process's (> {REFERENCE_TOLERANCE})"
+    assert not value.requires_grad, "the loss computed under no_grad requires grad"
+    left = changed(before, snapshot(wrapped))
+    assert not left, f"the no_grad call left state behind (FSDP resharded, no forward, no hook): {left}"
+    truth_step(wrapped, reference, 0, after="a no_grad routed loss")
+
+
+def eval_mode() -> None:
+    """A model in eval() mode (FSDP2): routed, exact, and every module's mode untouched."""
     wrapped, reference = build("fsdp2", {"groups": "layers"})
     wrapped.model.eval()
     reference.model.eval()
     modes_before = [m.training for m in wrapped.model.modules()]
-    facts = truth_step(wrapped, reference, 0)
-    out["eval-mode-fsdp2"] = {**facts, "modes_kept": [m.training for m in wrapped.model.modules()] == modes_before}
+    truth_step(wrapped, reference, 0, after="model.eval()")
+    modes = [m.training for m in wrapped.model.modules()]
+    assert modes == modes_before, f"the modules' training flags were {modes_before}, are {modes}"
 
+
+def inside_own_forward() -> None:
+    """route_loss called from inside the wrapper's own forward (DDP): fn runs directly, the forward is entered
+    once, the gradients exact."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    case = LOSSES["fused_ce"]
+    rank, world = dist.get_rank(), dist.get_world_size()
     model, ref_model = build_model(CONFIG), build_model(CONFIG)
     ddp = DDP(model)
     calls: list[int] = []
@@ -124,5 +127,6 @@ def legit_cases() -> dict[str, dict[str, Any]]:
     ref_loss = sum((original(ref_model, b["input_ids"]) @ ref_model.lm_head.weight.t()).sum() for b in batches)
     (ref_loss / world).backward()  # type: ignore[operator]
     ref_diff = max(float((grads[n] - p.grad).abs().max()) for n, p in ref_model.named_parameters())
-    out["inside-own-forward-ddp"] = {"forward_calls": len(calls), "differ": differ, "max_ref_diff": ref_diff}
-    return out
+    assert len(calls) == 1, f"the wrapper's forward was entered {len(calls)} times"
+    assert differ == 0, f"{differ} of {len(grads)} parameters' gradients differ across ranks"
+    assert ref_diff <= REFERENCE_TOLERANCE, f"gradients {ref_diff:.3g} from one process's (> {REFERENCE_TOLERANCE})"

@@ -14,14 +14,12 @@ from wrapperroute.check.models import build_model
 from wrapperroute.check.wrappers import WRAPPERS
 
 
-def long_run(wrapper: str, opts: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
-    """``steps`` routed steps on one model: the inner forward attribute identical after every step, hook
-    counts constant, RSS growth after the warm-up."""
+def long_run(wrapper: str, opts: dict[str, Any], steps: int, warmup: int, max_growth_mib: float) -> None:
+    """``steps`` routed steps on one model after ``warmup`` ones: the inner forward attribute identical after
+    every step, hook counts constant, the RSS grown by at most ``max_growth_mib`` after the warm-up."""
     import gc
 
     import psutil
-
-    from wrapperroute._routing.state import routing_state
 
     wrapped = WRAPPERS[wrapper].build(build_model(CONFIG), dict(opts))
     case = LOSSES["fused_ce"]
@@ -31,7 +29,6 @@ def long_run(wrapper: str, opts: dict[str, Any], steps: int, warmup: int) -> dic
     hooks_before = hook_count(wrapped.model)
     batches = [make_batch(case, CONFIG, dist.get_rank(), step % 8, 0) for step in range(8)]
     process = psutil.Process()
-    forward_changed = hooks_changed = 0
     rss_warm = 0
     for step in range(warmup + steps):
         if step == warmup:
@@ -40,23 +37,19 @@ def long_run(wrapper: str, opts: dict[str, Any], steps: int, warmup: int) -> dic
         loss = route_loss(wrapped.model, wrapped.inner, case.compute, wrapped.inner, batches[step % 8], {})
         wrapped.backward(loss)
         wrapped.step()
-        forward_changed += target.__dict__.get("forward", None) is not forward_before
-        hooks_changed += hook_count(wrapped.model) != hooks_before
+        forward = target.__dict__.get("forward", None)
+        assert forward is forward_before, f"step {step}: the forward attribute was {forward_before}, is {forward}"
+        hooks = hook_count(wrapped.model)
+        assert hooks == hooks_before, f"step {step}: {hooks_before} hooks before the first step, {hooks} now"
     gc.collect()
-    return {
-        "steps": steps,
-        "forward_changed": forward_changed,
-        "hooks_changed": hooks_changed,
-        "rss_growth_mib": (process.memory_info().rss - rss_warm) / 2**20,
-        "redirections": routing_state().swaps,
-        "plans": routing_state().plans,
-    }
+    growth = (process.memory_info().rss - rss_warm) / 2**20
+    assert growth <= max_growth_mib, f"RSS grew {growth:.1f} MiB over {steps} steps after the warm-up"
 
 
-def released(wrapper: str, opts: dict[str, Any], routed: bool) -> dict[str, Any]:
-    """Build a wrapped model, take ``steps`` routed steps (none when not ``routed``: the control), drop every
-    reference the test holds, collect: whether the model and its wrapper are still alive, and the
-    bookkeeping route_loss keeps."""
+def released(wrapper: str, opts: dict[str, Any], routed: bool) -> None:
+    """Build a wrapped model, take two routed steps (none when not ``routed``: the control), drop every
+    reference the test holds, collect: the model and its wrapper are gone, and (routed) the bookkeeping
+    route_loss keeps has not grown."""
     import gc
     import weakref
 
@@ -76,9 +69,9 @@ def released(wrapper: str, opts: dict[str, Any], routed: bool) -> dict[str, Any]
     plans, redirections = routing_state().plans, routing_state().swaps
     inner, model = run()
     gc.collect()
-    return {
-        "inner_alive": inner() is not None,
-        "model_alive": model() is not None,
-        "plans_added": routing_state().plans - plans,
-        "redirections_added": routing_state().swaps - redirections,
-    }
+    what = "after two routed steps" if routed else "never routed (the control: collectable, or this proves nothing)"
+    assert inner() is None, f"the inner module outlived its last reference, {what}"
+    assert model() is None, f"the wrapper outlived its last reference, {what}"
+    if routed:
+        plans_added, swaps_added = routing_state().plans - plans, routing_state().swaps - redirections
+        assert plans_added == 0 and swaps_added == 0, f"route_loss kept {plans_added} plans, {swaps_added} swaps"
