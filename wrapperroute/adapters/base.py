@@ -260,10 +260,11 @@ class Adapter(Layer):
         wrapper's own state and the installed code); None when it cannot be told."""
         return None
 
-    def step_count(self, wrapper: nn.Module) -> int | None:
-        """The wrapper's own count of optimizer steps taken, where it steps a torch optimizer in parts (DeepSpeed's
-        ZeRO optimizer steps its inner one once per parameter group: MoE's dense and expert groups, the model
-        half updated in between); None where each torch optimizer step is a training step."""
+    def step_count(self, wrapper: nn.Module, optimizer: Any) -> int | None:
+        """The wrapper's own count of optimizer steps taken, where it steps the torch ``optimizer`` itself, in
+        parts (DeepSpeed's ZeRO optimizer steps its inner one once per parameter group: MoE's dense and expert
+        groups, the model half updated in between); None where it does not step that optimizer, or where each of
+        its steps is a training step."""
         return None
 
     def syncs_gradients(self, wrapper: nn.Module) -> bool:

@@ -96,7 +96,10 @@ class DeepSpeedAdapter(Adapter):
         averages = _stage(engine) == 3 or bool(getattr(engine, "gradient_average", True))
         return Averaging(ranks, group, replicas if averages else 1.0, float(engine.gradient_accumulation_steps()))
 
-    def step_count(self, wrapper: nn.Module) -> int | None:
+    def step_count(self, wrapper: nn.Module, optimizer: Any) -> int | None:
+        outer = getattr(wrapper, "optimizer", None)  # the engine's (ZeRO's) optimizer, holding the torch one
+        if optimizer is not outer and optimizer is not getattr(outer, "optimizer", None):
+            return None
         return int(getattr(wrapper, "global_steps", 0))  # counted after the inner optimizer's steps
 
     def marks_forward(self, wrapper: nn.Module) -> bool:

@@ -138,10 +138,14 @@ class FSDP2Adapter(Adapter):
         # model's replicated parameters; none for FSDP's shards or an expert's. A plain parameter (an adapter
         # added after fully_shard) is whole on every rank the model lives on: equal there, or a desync.
         everywhere = _mesh_ranks(wrapper)
+        managed = _sharded_forms(wrapper)
         found = []
         for name, param in wrapper.named_parameters():
             if not param.requires_grad:
                 continue
+            # a parameter FSDP manages is compared in its sharded form, even while a forward (one that raised,
+            # one resharding not after it) leaves the module holding its unsharded form
+            param = managed.get(id(param), param)
             copies = dtensor_copies(param)
             if copies is None:  # a plain tensor, whole on each rank
                 found.append(Replica(name, param, everywhere))
@@ -204,6 +208,21 @@ def _meshes(wrapper: nn.Module) -> tuple[Any, ...]:
                 if all(mesh is not group.mesh_info.mesh for mesh in found):
                     found.append(group.mesh_info.mesh)
     return tuple(found)
+
+
+def _sharded_forms(wrapper: nn.Module) -> dict[int, Any]:
+    """Each parameter FSDP manages, by the ``id`` of either of its forms (sharded, or unsharded while a forward
+    holds it so): its sharded form, the ``DTensor`` the optimizer steps."""
+    forms: dict[int, Any] = {}
+    for unit in wrapper.modules():
+        if _is_unit(unit):
+            for group in _param_groups(unit._get_fsdp_state()):  # type: ignore[operator]
+                for managed in group.fsdp_params:
+                    forms[id(managed.sharded_param)] = managed.sharded_param
+                    unsharded = getattr(managed, "_unsharded_param", None)
+                    if unsharded is not None:
+                        forms[id(unsharded)] = managed.sharded_param
+    return forms
 
 
 def _mesh_ranks(wrapper: nn.Module) -> tuple[int, ...]:

@@ -184,7 +184,7 @@ class Audit:
         updated, and no comparison may read it."""
         if not self._running() or self.finished:
             return False
-        counts = tuple(adapter.step_count(wrapper) for adapter, wrapper in self._known(rescan=False))
+        counts = tuple(adapter.step_count(wrapper, optimizer) for adapter, wrapper in self._known(rescan=False))
         if all(count is None for count in counts):
             return False
         again = self._step_counts.get(optimizer) == counts
