@@ -149,9 +149,11 @@ class Audit:
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         with self._guarded():
             self._finish_pending(id(optimizer))  # a step that raised never reached _after_step
-            if self._same_training_step(optimizer):
-                return  # a wrapper stepping this optimizer again within one of its steps (DeepSpeed's groups)
             known = self._optimizers.get(optimizer)
+            # An optimizer's first step rescans the process for wrappers, here and only here: the scan is most of
+            # what a fresh audit costs, and the comparison below reuses it
+            if self._same_training_step(optimizer, rescan=known is None):
+                return  # a wrapper stepping this optimizer again within one of its steps (DeepSpeed's groups)
             if known is None:
                 known = (self._optimizers_in_run, 0)
                 self._optimizers_in_run += 1
@@ -168,7 +170,7 @@ class Audit:
             every = self.steps is None
             params = not every or seen % PARAMS_EVERY == 0
             window = (seen % PARAMS_EVERY, PARAMS_EVERY) if every else None
-            found = self._replicas(rescan=seen == 0)
+            found = self._replicas(rescan=False)  # rescanned above on this optimizer's first step
             if found and not self._compared_at_start:
                 # Once, before anything steps: a replica that starts different is a desync even if the run later
                 # makes every copy alike (a NaN spread by the all-reduce), which a comparison read after the
@@ -178,13 +180,13 @@ class Audit:
             if found:  # the signatures exchanged while the optimizer steps; the verdict after it
                 self._pending[id(optimizer)] = (label, self._compare(found, params, ids, window))
 
-    def _same_training_step(self, optimizer: torch.optim.Optimizer) -> bool:
+    def _same_training_step(self, optimizer: torch.optim.Optimizer, rescan: bool) -> bool:
         """Whether this call of ``optimizer.step`` belongs to the training step its last call began: a wrapper
         that steps it in parts (``Adapter.step_count``) has not counted a step since. The model is then half
         updated, and no comparison may read it."""
         if not self._running() or self.finished:
             return False
-        counts = tuple(adapter.step_count(wrapper, optimizer) for adapter, wrapper in self._known(rescan=False))
+        counts = tuple(adapter.step_count(wrapper, optimizer) for adapter, wrapper in self._known(rescan))
         if all(count is None for count in counts):
             return False
         again = self._step_counts.get(optimizer) == counts
