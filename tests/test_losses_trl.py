@@ -88,3 +88,16 @@ def test_the_example_fused_head_equals_trls() -> None:
     assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)  # unfused: TRL's own forward
     differences = [float((a - b).abs().max()) for a, b in zip(found["ours"], found["theirs"], strict=True)]
     assert max(differences) <= 1e-5, differences
+
+
+def test_the_example_on_a_sharded_head_gathers_nothing() -> None:
+    """The same on a head split on the vocabulary over 2 ranks: equal to TRL's path, which gathers the head
+    (``full_tensor()``), with no collective of a head shard's size of ours. Asserted in each rank."""
+    import rankside_losses_trl
+
+    from wrapperroute.ranks import RankPool
+
+    with RankPool(2) as pool:
+        ranks = pool.run(rankside_losses_trl.example_on_a_sharded_head)
+    print(ranks[0])  # the largest difference and collective sizes, under pytest -s
+    assert len(ranks) == 2
