@@ -96,7 +96,8 @@ def test_desync_found_and_in_sync_passes(tmp_path: Path) -> None:
 
 def _assert_same_losses(audited: dict[str, Any]) -> None:
     """Losses bit-identical (float.hex) with and without the audit (which audited every step)."""
-    plain = _run(_torchrun(2, str(SCRIPTS / "ddp_train.py"), "--loss", "routed", "--steps", "5"))
+    # --leave: the plain run skips the interpreter's teardown, where torch 2.13's gloo aborts about 3 exits in 10
+    plain = _run(_torchrun(2, str(SCRIPTS / "ddp_train.py"), "--loss", "routed", "--steps", "5", "--leave"))
     assert plain["code"] == 0, plain["err"][-2000:]
 
     def losses(out: str) -> list[tuple[str, ...]]:  # two ranks' lines can interleave on the launcher's stdout
