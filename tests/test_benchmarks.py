@@ -38,7 +38,11 @@ def test_token_cost_quick_run() -> None:
     done = subprocess.run([sys.executable, str(BENCH / "token_cost.py"), "--quick"], capture_output=True, text=True,
                           timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "step over token_divisor / step over the rank's own count" in done.stdout, done.stdout
+    for micro_batches in (2, 1):  # a step of two micro-batches (accumulation) and of one, each with its ratios
+        rows = [line for line in done.stdout.splitlines() if line.startswith(f"{micro_batches} micro-batch(es)")]
+        assert rows, f"no row for {micro_batches} micro-batch(es) a step: {done.stdout[-3000:]}"
+        for phrase in ("step over token_divisor / over the rank's own count", "token_divisor / the bare all-reduce"):
+            assert all(phrase in line for line in rows), f"{phrase!r} missing: {rows}"
 
 
 def test_instruction_count_workers_run() -> None:
