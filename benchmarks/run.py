@@ -113,9 +113,7 @@ def format_table(r: dict[str, Any]) -> str:
         )
     for size, row in r.get("guard", {}).items():
         label = f"guarded / unguarded routed DDP step, {size}"
-        lines.append(
-            f"{label:<58} {ratio(row):<26} {'-':<10} {row['median_a_ms']:.2f} vs {row['median_b_ms']:.2f} ms"
-        )
+        lines.append(f"{label:<58} {ratio(row):<26} {'-':<10} {row['median_a_ms']:.2f} vs {row['median_b_ms']:.2f} ms")
     if "fallback" in r:
         fb = r["fallback"]
         lines.append(

@@ -28,6 +28,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--long"):
         os.environ["WRAPPERROUTE_LONG"] = "1"  # read by the test modules as they are imported, after this
 
+
 WORLD_SIZE = 2
 
 

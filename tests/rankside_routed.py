@@ -116,4 +116,3 @@ def hf_trainer_routed(decorated: bool) -> None:
         assert cell["differ"] == 0 and cell["max_diff"] == 0.0, f"@routed compute_loss: gradients differ: {cell}"
     else:
         assert cell["differ"] == cell["params"] > 0, f"the undecorated compute_loss must show the bug: {cell}"
-

@@ -106,7 +106,6 @@ def test_zero3_gather_outside_model_is_rejected(pool: RankPool) -> None:
     pool.run(rankside_deepspeed.zero3_bad_gather)
 
 
-
 def test_every_fetch_coordinator_is_asked_as_the_release_defines_it() -> None:
     """Unit-level, beside the real ZeRO-3 runs above: the installed ``get_param_coordinator`` (its code, on an
     object holding only what it reads) and one of the shape DeepSpeed had before 0.15.4 (a coordinator per

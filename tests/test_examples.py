@@ -25,11 +25,18 @@ SHUTDOWN_ABORT = "terminate called without an active exception"
 
 
 def _launch(command: list[str]) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "DS_ACCELERATOR": "cpu",
-           "MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "DS_ACCELERATOR": "cpu",
+        "MASTER_ADDR": "127.0.0.1",
+        "PYTHONPATH": str(REPO),
+    }
     # Own session: on a timeout the launcher *and* its ranks are killed, never left running.
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
@@ -49,18 +56,39 @@ def _assert_two_ranks_agree(output: str, chain: str) -> None:
 
 
 def test_torchrun_example() -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(_port()), str(EXAMPLES / "launch_torchrun.py")]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_port()),
+        str(EXAMPLES / "launch_torchrun.py"),
+    ]
     _assert_two_ranks_agree(_launch(command), "('ddp', 'module')")
 
 
 def test_accelerate_launch_example() -> None:
     pytest.importorskip("accelerate", reason="accelerate is optional: pip install wrapperroute[accelerate]")
     # this interpreter's accelerate, never another environment's from PATH
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                   "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_port()),
-               str(EXAMPLES / "launch_accelerate.py")]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_port()),
+        str(EXAMPLES / "launch_accelerate.py"),
+    ]
     _assert_two_ranks_agree(_launch(command), "('ddp', 'module')")
 
 
@@ -68,8 +96,16 @@ def test_deepspeed_launch_example() -> None:
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("DeepSpeed is optional: pip install wrapperroute[deepspeed]")
     # this interpreter's DeepSpeed launcher, never another environment's from PATH
-    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(_port()),
-               str(EXAMPLES / "launch_deepspeed.py")]
+    command = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(_port()),
+        str(EXAMPLES / "launch_deepspeed.py"),
+    ]
     _assert_two_ranks_agree(_launch(command), "('deepspeed', 'module') {'zero_stage': 3")
 
 

@@ -74,7 +74,7 @@ def test_the_module_graph_has_no_circle() -> None:
         state[module] = 1
         for source in sorted(graph.get(module, ())):
             if state.get(source) == 1:
-                circles.append([*path[path.index(source):], source])
+                circles.append([*path[path.index(source) :], source])
             elif source not in state:
                 walk(source, [*path, source])
         state[module] = 2

@@ -78,6 +78,7 @@ def reset_dynamo() -> None:
 # The module attribute under which torch's composable APIs (replicate, fully_shard, checkpoint) record themselves.
 COMPOSABLE_REGISTRY_KEY: str = _REGISTRY_KEY
 
+
 def composable_replicate() -> Any:
     """torch's composable ``replicate()`` (DDP without a wrapper object)."""
     from torch.distributed._composable.replicate import replicate

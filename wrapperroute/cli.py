@@ -229,13 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--losses", help=f"comma-separated subset of: {', '.join(LOSSES)}")
     run.add_argument("--steps", type=int, default=1, help="optimizer steps per cell (default 1)")
     run.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step (default 2)")
-    run.add_argument("--rank-means", action="store_true",
-                     help="a row of each rank's own mean for every token-level loss (default: one row)")
+    run.add_argument(
+        "--rank-means",
+        action="store_true",
+        help="a row of each rank's own mean for every token-level loss (default: one row)",
+    )
     run.add_argument("--timeout", type=float, default=300.0, help="seconds a cell may take (default 300)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     run.add_argument("--verbose", action="store_true", help="show the libraries' warnings and logs from the ranks")
     run.add_argument(
-        "--trl", action="store_true",
+        "--trl",
+        action="store_true",
         help="run the installed TRL's trainers with a fused Liger loss (DPO, KTO, GRPO, GKD, distillation, GOLD, "
         "IW-OPD, SDPO, SDFT) under DDP, ZeRO-3 and FSDP2 (--wrappers picks among ddp, zero3, fsdp2), as installed "
         "and patched",

@@ -150,9 +150,7 @@ class RankPool:
         env = {**self.env, "WRAPPERROUTE_PARENT_PID": str(os.getpid())}
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(
-                target=_worker, args=(rank, self.world_size, store_path, child_end, env), daemon=True
-            )
+            proc = ctx.Process(target=_worker, args=(rank, self.world_size, store_path, child_end, env), daemon=True)
             proc.start()
             child_end.close()
             self._procs.append(proc)

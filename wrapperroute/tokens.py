@@ -163,4 +163,3 @@ def _say_alone(model: nn.Module, found: Any) -> None:
         UnroutedModelWarning,
         stacklevel=4,
     )
-

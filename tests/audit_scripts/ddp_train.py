@@ -36,10 +36,14 @@ def main() -> None:
     # torch 2.13's gloo teardown aborts about 3 process exits in 10 (SIGABRT after the script's last line); a
     # run read only for its losses leaves without that teardown, as the audited process does
     parser.add_argument("--leave", action="store_true", help="end with os._exit(0) once the output is flushed")
-    parser.add_argument("--nan", choices=["none", "rank1", "every", "param"], default="none",
-                        help="make the first step's loss NaN on rank 1, or on every rank; param: write NaN into "
-                        "one of rank 1's parameters after wrapping (its loss and, through the all-reduce, every "
-                        "rank's gradients and parameters become NaN: alike everywhere after the first step)")
+    parser.add_argument(
+        "--nan",
+        choices=["none", "rank1", "every", "param"],
+        default="none",
+        help="make the first step's loss NaN on rank 1, or on every rank; param: write NaN into "
+        "one of rank 1's parameters after wrapping (its loss and, through the all-reduce, every "
+        "rank's gradients and parameters become NaN: alike everywhere after the first step)",
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -126,8 +126,9 @@ def one_rank_fails_agreed(wrapper: str, opts: dict[str, Any]) -> None:
     differ = differing_across_ranks(wrapped.full_grads())[0]
     assert differ == 0, f"an agreed step where every rank succeeds: {differ} parameters' gradients differ across ranks"
     wrapped.step()
-    reference_loss = case.compute(reference.model, case.concat(
-        [make_batch(case, CONFIG, r, 0, 0) for r in range(dist.get_world_size())]), {})  # type: ignore[arg-type]
+    reference_loss = case.compute(
+        reference.model, case.concat([make_batch(case, CONFIG, r, 0, 0) for r in range(dist.get_world_size())]), {}
+    )  # type: ignore[arg-type]
     (reference_loss * wrapped.loss_scale).backward()
     reference.step()
     truth_step(wrapped, reference, 1, after="an agreed failure and an agreed step")

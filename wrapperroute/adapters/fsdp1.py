@@ -94,8 +94,10 @@ class FSDP1Adapter(Adapter):
         hook = getattr(wrapper, "_comm_hook", None)
         unread = ""
         if hook is not None and not getattr(hook, "__module__", "").startswith("torch."):
-            unread = (f"FSDP communication hook {getattr(hook, '__qualname__', repr(hook))} (not one of torch's) may "
-                      f"scale the gradients as it likes; taken to divide by {divides_by:g}, as FSDP's own reduction")
+            unread = (
+                f"FSDP communication hook {getattr(hook, '__qualname__', repr(hook))} (not one of torch's) may "
+                f"scale the gradients as it likes; taken to divide by {divides_by:g}, as FSDP's own reduction"
+            )
         inter = getattr(fsdp, "_inter_node_pg", None) if "HYBRID" in str(fsdp.sharding_strategy) else None
         if inter is None:
             return Averaging(group_ranks(fsdp.process_group), fsdp.process_group, divides_by, unread=unread)

@@ -139,23 +139,25 @@ def report(audit: Audited, final: str, exit_status: int) -> dict[str, Any]:
     """The ``--json`` report (non-finite differences written ``"inf"``)."""
     verdict = "desync" if audit.desync else "failed" if audit.failure else "in sync" if audit.checkpoints else (
         "nothing audited")  # fmt: skip
-    return strict_json({
-        "verdict": verdict,
-        "final_line": final,
-        "exit_status": exit_status,
-        "wrappers": sorted(audit.kinds),
-        "not_compared": dict(sorted(audit.alone.items())),
-        "audit_failure": audit.failure,
-        "checkpoints": [
-            {
-                "label": c.label,
-                "compared": c.compared,
-                "differences": [
-                    {"key": d.name, "what": d.what, "max_abs_diff": d.max_abs_diff, "nonfinite": d.nonfinite}
-                    for d in c.differences
-                ],
-                "nonfinite": [dict(zip(("what", "key"), what_of(key), strict=True)) for key in c.nonfinite],
-            }
-            for c in audit.checkpoints
-        ],
-    })
+    return strict_json(
+        {
+            "verdict": verdict,
+            "final_line": final,
+            "exit_status": exit_status,
+            "wrappers": sorted(audit.kinds),
+            "not_compared": dict(sorted(audit.alone.items())),
+            "audit_failure": audit.failure,
+            "checkpoints": [
+                {
+                    "label": c.label,
+                    "compared": c.compared,
+                    "differences": [
+                        {"key": d.name, "what": d.what, "max_abs_diff": d.max_abs_diff, "nonfinite": d.nonfinite}
+                        for d in c.differences
+                    ],
+                    "nonfinite": [dict(zip(("what", "key"), what_of(key), strict=True)) for key in c.nonfinite],
+                }
+                for c in audit.checkpoints
+            ],
+        }
+    )

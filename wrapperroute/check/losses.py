@@ -249,8 +249,7 @@ def _vocab_dpo(model: nn.Module, batch: Batch, extras: dict[str, Any]) -> torch.
 
 LOSSES: dict[str, LossCase] = {
     "fused_ce": LossCase("fused_ce", _ce_batch, _fused_ce, summed=_fused_ce_sum, count=valid_tokens),
-    "backbone_ce": LossCase("backbone_ce", _ce_batch, _backbone_ce, summed=_backbone_ce_sum,
-                            count=valid_tokens),
+    "backbone_ce": LossCase("backbone_ce", _ce_batch, _backbone_ce, summed=_backbone_ce_sum, count=valid_tokens),
     "liger_dpo": LossCase(
         "liger_dpo",
         _pair_batch,

@@ -218,24 +218,40 @@ WRAPPERS: dict[str, WrapperCase] = {
         )
     },
     "dp2_cp2": WrapperCase(
-        "dp2_cp2", "wrapperroute.check.wrap_fsdp:build_fsdp2_cp", defaults=(("cp", 2),), min_ranks=4,
+        "dp2_cp2",
+        "wrapperroute.check.wrap_fsdp:build_fsdp2_cp",
+        defaults=(("cp", 2),),
+        min_ranks=4,
         losses=TOKEN_LOSSES,
         cpu_torch=((2, 9), "before 2.9, fully_shard on gloo fails or sums gradients instead of averaging them"),
     ),
     **{
-        name: WrapperCase(name, "wrapperroute.check.wrap_tp:build_tp", defaults=defaults, min_ranks=4,
-                          losses=VOCAB_LOSSES)
-        for name, defaults in (("tp2_dp2", (("tp", 2),)), ("tp2_hsdp", (("tp", 2), ("hsdp", True))),
-                               ("tp4", (("tp", 4),)))
+        name: WrapperCase(
+            name, "wrapperroute.check.wrap_tp:build_tp", defaults=defaults, min_ranks=4, losses=VOCAB_LOSSES
+        )
+        for name, defaults in (
+            ("tp2_dp2", (("tp", 2),)),
+            ("tp2_hsdp", (("tp", 2), ("hsdp", True))),
+            ("tp4", (("tp", 4),)),
+        )
     },
     **{
-        name: WrapperCase(name, "wrapperroute.check.wrap_tp:build_hf_tp", "transformers.distributed",
-                          defaults=(("tp", tp),), min_ranks=4, losses=VOCAB_LOSSES)
+        name: WrapperCase(
+            name,
+            "wrapperroute.check.wrap_tp:build_hf_tp",
+            "transformers.distributed",
+            defaults=(("tp", tp),),
+            min_ranks=4,
+            losses=VOCAB_LOSSES,
+        )
         for name, tp in (("hf_tp2_fsdp2", 2), ("hf_tp4", 4))
     },
     **{
         f"zero{stage}": WrapperCase(
-            f"zero{stage}", "wrapperroute.check.wrap_deepspeed:build_zero", "deepspeed", (("stage", stage),),
+            f"zero{stage}",
+            "wrapperroute.check.wrap_deepspeed:build_zero",
+            "deepspeed",
+            (("stage", stage),),
             accumulation_option="gradient_accumulation_steps",
         )
         for stage in range(4)

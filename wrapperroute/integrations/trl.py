@@ -76,7 +76,6 @@ class TrlPatch:
         return bool(self.patched)
 
 
-
 # label -> (owner, attribute, original value): what to put back.
 _applied: dict[str, tuple[Any, str, Any]] = {}
 
