@@ -99,5 +99,7 @@ def _mesh_copies(
     if any(placement.is_partial() for placement in placements):
         return (rank,)  # pending a reduction: no two ranks hold the same value yet
     coordinate = found[0].tolist()
-    index = tuple(coordinate[dim] if placement.is_shard() else slice(None) for dim, placement in enumerate(placements))
+    # Every placement but Replicate splits the tensor over its dimension: Shard, and FSDP2's _StridedShard beside
+    # a tensor-parallel one (not a Shard: ``is_shard()`` is False for it on torch 2.13)
+    index = tuple(slice(None) if each.is_replicate() else coordinate[dim] for dim, each in enumerate(placements))
     return tuple(sorted(grid[index].flatten().tolist()))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -15,7 +17,8 @@ from torch import nn
 
 from ._groups import dtensor_copies, group_ranks
 from ._torch_internals import at_end_of_backward
-from .adapters.base import Replica
+from .adapters.base import Adapter, Replica
+from .arrivals import Arrivals, Bypass, Watch, agree
 from .crossrank import Row, compare, local_part
 from .detect import detect
 from .errors import GradSyncError, RouteStateError, RouteValueError
@@ -32,10 +35,13 @@ class SyncReport:
     worst: tuple[tuple[str, float], ...] = field(default=())  # (name, max abs diff), worst first
     note: str = ""
     nonfinite: tuple[str, ...] = ()  # gradients holding NaN or inf, whether or not they differ
+    verified: int = 0  # sharded gradients that came only through the wrapper's reduction since the last call
+    bypassed: tuple[Bypass, ...] = ()  # sharded gradients that arrived around it (arrivals.py)
 
     @property
     def in_sync(self) -> bool:
-        return self.differing == 0
+        """No copy differing, and no sharded gradient around its wrapper's reduction."""
+        return self.differing == 0 and not self.bypassed
 
     def table(self) -> str:
         """The upstream report's table: parameters differing across ranks and the largest difference."""
@@ -47,6 +53,11 @@ class SyncReport:
         if self.nonfinite:
             shown = ", ".join(self.nonfinite[:5]) + (" ..." if len(self.nonfinite) > 5 else "")
             lines.append(f"non-finite (NaN or inf) gradients: {len(self.nonfinite)}: {shown}")
+        if self.verified:
+            lines.append(f"sharded gradients that came only through the wrapper's reduction: {self.verified}")
+        if self.bypassed:
+            lines.append(f"sharded gradients that bypassed the wrapper's reduction: {len(self.bypassed)}")
+            lines += [f"  {bypass.describe()}" for bypass in self.bypassed]
         if self.note:
             lines.append(self.note)
         return "\n".join(lines)
@@ -55,16 +66,22 @@ class SyncReport:
         return self.table()
 
 
+_watches: weakref.WeakKeyDictionary[nn.Module, Watch] = weakref.WeakKeyDictionary()  # check_grad_sync's, by wrapper
+
+
 def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None, top: int = 5) -> SyncReport:
-    """Compare every replicated parameter's gradient with its copies on the other ranks; call on every rank
-    after backward.
+    """Compare every replicated parameter's gradient with its copies on the other ranks, and check that every
+    sharded one came through its wrapper's reduction; call on every rank after backward.
 
     Which ranks hold copies is the wrapper's to say: DDP's process group, composable ``replicate``'s (one
     dimension of a mesh, say), the replicate dimension of an FSDP2 HSDP mesh; a model with no wrapper is
     compared across every rank (a DTensor's slices among the ranks holding the same slice). Sharded parameters
-    (FSDP, ZeRO) have no copies and are not compared (a sharded loss computed outside the wrapper fails loudly
-    instead: 1-D shards, DTensor mixes, 0-element ZeRO-3 weights). ``group``: compare every gradient across
-    the ranks of this group instead.
+    have no copies to compare. FSDP2's are watched instead (:mod:`wrapperroute.arrivals`): a gradient that
+    autograd computed for a sharded parameter since the last call (a loss reading it outside its unit's forward,
+    ``weight.full_tensor()``) bypassed FSDP2's reduce-scatter, and is in ``bypassed``; ``verified`` counts those
+    that came through it. The first call on a model starts the watch (call it once before training to cover the
+    first backward too). A read of an FSDP1 or ZeRO-3 shard outside the forward fails loudly instead (a 1-D
+    shard, a 0-element partition). ``group``: compare every gradient across the ranks of this group instead.
 
     Cheap: two small all-gathers (the rows' layout, then one signature per gradient); only gradients whose
     signatures differ, or hold NaN or inf, are sent whole (one more) and compared as values. A gradient NaN on
@@ -86,12 +103,14 @@ def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None,
                  for n, p in found.inner.named_parameters() if p.requires_grad]  # fmt: skip
     else:
         every = found.adapter.replicas(found.wrapper)  # type: ignore[arg-type]
+    arrivals, watching = _arrivals(found.adapter, found.wrapper, group)
     replicas = [r for r in every if r.compared and r.grads]
     note = _not_compared(every, replicas)
     if not replicas:
         why = "no trainable parameter" if not every else "no gradient with a copy on another rank"
-        said = f"{why}, nothing compared" + (f"; not compared: {note}" if note else "")
-        return SyncReport(found.kind, 0, 0, 0.0, note=said)
+        said = "; ".join(part for part in (f"{why}, nothing compared", note and f"not compared: {note}", watching)
+                         if part)  # fmt: skip
+        return SyncReport(found.kind, 0, 0, 0.0, note=said, verified=arrivals.verified, bypassed=arrivals.bypassed)
     rows = [Row(r.name, local_part(_grad_or_zeros(r.param)), r.copies) for r in replicas]
     outcome = compare(rows, group)
     # NaN where a non-finite value stands beside another value: no finite difference says it
@@ -104,9 +123,28 @@ def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None,
         len(outcome.mismatches),
         max(finite, default=0.0),
         worst[:top],
-        note=f"not compared: {note}" if note else "",
+        note="; ".join(part for part in (note and f"not compared: {note}", watching) if part),
         nonfinite=tuple(sorted(nonfinite)),
+        verified=arrivals.verified,
+        bypassed=arrivals.bypassed,
     )
+
+
+def _arrivals(adapter: Adapter | None, wrapper: nn.Module | None, group: Any) -> tuple[Arrivals, str]:
+    """How the wrapper's sharded gradients arrived since the last call, agreed over ``group`` (collective: every
+    rank, whatever its wrapper), and what the watch could not see yet."""
+    assigned = adapter.assigned_gradients(wrapper) if adapter is not None and wrapper is not None else None
+    looks = []
+    said = ""
+    if adapter is not None and wrapper is not None and assigned is not None:
+        watch = _watches.get(wrapper)
+        if watch is None:
+            watch = _watches[wrapper] = Watch(adapter.kind, assigned.reduction, assigned.params)
+            if not watch.watching_since_start:
+                said = (f"{len(watch)} sharded gradient(s) watched from this call on (call check_grad_sync once "
+                        "before the first backward to check that one too)")  # fmt: skip
+        looks.append((watch, "", watch.look()))
+    return agree(looks, group), said
 
 
 def _not_compared(every: list[Replica], compared: list[Replica]) -> str:
@@ -126,49 +164,75 @@ def _grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def guard(model: nn.Module, on_error: Literal["raise", "warn"] = "raise") -> Iterator[None]:
-    """Catch the silent DDP desync: gradients produced while DDP's forward did not arm the reducer.
+    """Catch, as the backward runs, a gradient that will not be reduced across ranks, silently.
 
-    Inside the block, any backward that produces gradients for the DDP model's parameters must have been
-    preceded (since the previous backward) by a forward through the wrapper: a normal ``model(...)`` call or
-    :func:`route_loss`. Steps under ``no_sync()`` are not checked: their gradients stay local on purpose.
-    Sharded wrappers need no guard: an unrouted loss fails loudly there. Cost: one Python flag check per
-    parameter gradient.
+    - **DDP** (and composable ``replicate``): any backward that produces gradients for the model's parameters
+      must have been preceded (since the previous backward) by a forward through the wrapper: a normal
+      ``model(...)`` call or :func:`route_loss`. Steps under ``no_sync()`` are not checked: their gradients
+      stay local on purpose.
+    - **FSDP2**: autograd must compute no gradient for a sharded parameter, which FSDP2 gives its gradient itself
+      after its reduce-scatter (:mod:`wrapperroute.arrivals`): one that it does compute came from a loss reading
+      the shard outside its unit's forward (``weight.full_tensor()``), around the reduction.
+
+    A read of an FSDP1 or ZeRO-3 shard outside the forward fails loudly, and needs no guard. Cost: one Python
+    flag check per parameter gradient (DDP); nothing on FSDP2's own path, where the hooks never fire.
     """
     if on_error not in ("raise", "warn"):
         raise RouteValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
     found = detect(model)
-    adapter, ddp = found.adapter, found.wrapper
-    if adapter is None or ddp is None or not adapter.arms_in_forward:
+    adapter, wrapper = found.adapter, found.wrapper
+    assigned = adapter.assigned_gradients(wrapper) if adapter is not None and wrapper is not None else None
+    if adapter is None or wrapper is None or (not adapter.arms_in_forward and assigned is None):
         yield
         return
     state = {"armed": False, "checked": False}  # armed: forward ran since the last backward
+
+    def reset() -> None:
+        state["armed"] = state["checked"] = False
+
+    def fail(message: str) -> None:
+        """Raise ``message`` (the backward aborts) or warn it, once per backward."""
+        if state["checked"]:
+            return
+        state["checked"] = True
+        at_end_of_backward(reset)
+        if on_error == "raise":
+            reset()  # the backward aborts here, and its end-of-backward callback with it
+            raise GradSyncError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)  # once: the callback resets at the backward's end
 
     def on_forward(module: nn.Module, args: object, output: object) -> None:
         if torch.is_grad_enabled():
             state["armed"] = True
 
-    def reset() -> None:
-        state["armed"] = state["checked"] = False
-
     def on_grad(param: torch.Tensor) -> None:
         if state["checked"]:  # once per backward
             return
-        state["checked"] = True
-        at_end_of_backward(reset)
-        if state["armed"] or not adapter.syncs_gradients(ddp):
+        if state["armed"] or not adapter.syncs_gradients(wrapper):
+            state["checked"] = True
+            at_end_of_backward(reset)
             return
-        message = (
+        fail(
             f"gradients of a {type(found.inner).__name__} under {found.kind!r} were computed without "
             "DDP's forward, so they will not be all-reduced and every rank trains its own model. Compute the "
             "loss through the wrapper: wrapperroute.route_loss(model, unwrapped, loss_fn, ...)."
         )
-        if on_error == "raise":
-            reset()  # the backward aborts here, and its end-of-backward callback with it
-            raise GradSyncError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)  # once: the callback resets at the backward's end
 
-    handles = [ddp.register_forward_hook(on_forward)]
-    handles += [p.register_post_accumulate_grad_hook(on_grad) for p in ddp.parameters() if p.requires_grad]
+    def on_bypass(name: str, reduction: str, grad: torch.Tensor) -> None:
+        fail(
+            f"{name} of a {type(found.inner).__name__} under {found.kind!r} got a gradient from autograd on its "
+            f"sharded parameter: the loss read it outside its unit's forward, so the gradient skips {reduction} "
+            "(each rank keeps its own, consistent and wrong). Compute the loss inside the wrapper's forward: "
+            f"wrapperroute.route_loss(model, unwrapped, loss_fn, ..., gather=[the module owning {name}])."
+        )
+
+    handles: list[Any] = []
+    if adapter.arms_in_forward:
+        handles.append(wrapper.register_forward_hook(on_forward))
+        handles += [p.register_post_accumulate_grad_hook(on_grad) for p in wrapper.parameters() if p.requires_grad]
+    if assigned is not None:
+        handles += [param.register_hook(functools.partial(on_bypass, name, assigned.reduction))
+                    for name, param in assigned.params]  # fmt: skip
     try:
         yield
     finally:

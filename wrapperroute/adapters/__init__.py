@@ -11,7 +11,7 @@ import sys
 
 from ._hooks import modules_being_called
 from ._units import output_embedding
-from .base import Adapter, Averaging, Layer, Replica
+from .base import Adapter, Assigned, Averaging, Layer, Replica
 from .compile import CompileLayer
 from .ddp import DDPAdapter
 from .fsdp1 import FSDP1Adapter
@@ -47,4 +47,6 @@ def registered() -> tuple[Layer, ...]:
     return _CORE + tuple(_loaded_optional.values())
 
 
-__all__ = ["Adapter", "Averaging", "Layer", "Replica", "modules_being_called", "output_embedding", "registered"]
+__all__ = [
+    "Adapter", "Assigned", "Averaging", "Layer", "Replica", "modules_being_called", "output_embedding", "registered",
+]  # fmt: skip

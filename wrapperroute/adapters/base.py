@@ -116,6 +116,22 @@ class Averaging:
     unread: str = ""
 
 
+@dataclass(frozen=True)
+class Assigned:
+    """Sharded parameters whose gradients a wrapper assigns itself, after its own reduction, with no gradient ever
+    computed for them by autograd (FSDP2): what :meth:`Adapter.assigned_gradients` returns, and what
+    :mod:`wrapperroute.arrivals` watches. A gradient autograd computes for one of them arrived around the reduction.
+
+    reduction
+        The reduction's name, as a report says it (``"FSDP2's reduce-scatter"``).
+    params
+        ``(name, sharded parameter)``: the name under the wrapper's inner module, the parameter the optimizer steps.
+    """
+
+    reduction: str
+    params: list[tuple[str, torch.Tensor]]
+
+
 class Layer:
     """A layer that is only peeled (``torch.compile``, PEFT): never routed through.
 
@@ -254,6 +270,14 @@ class Adapter(Layer):
         rank = dist.get_rank()
         return [Replica(name, param, (rank,), alone="sharded")
                 for name, param in self.peel(wrapper).named_parameters() if param.requires_grad]  # fmt: skip
+
+    def assigned_gradients(self, wrapper: nn.Module) -> Assigned | None:
+        """The sharded parameters whose gradients this wrapper assigns itself after reducing them, where autograd
+        never computes one (a gradient it does compute came around the reduction: see
+        :mod:`wrapperroute.arrivals`); None where gradients reach the wrapper's reduction through autograd on every
+        route (DDP's and ZeRO's hooks on each parameter's accumulation, FSDP1's on its flat parameter) or a read
+        outside its forward fails loudly (a 0-element ZeRO-3 partition, FSDP1's 1-D shard)."""
+        return None
 
     def averaging(self, wrapper: nn.Module) -> Averaging | None:
         """Which ranks' gradients this wrapper reduces together, and what it divides them by (read from the

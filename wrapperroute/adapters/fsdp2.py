@@ -12,6 +12,7 @@ Two consequences handled here:
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -32,7 +33,7 @@ except ImportError:
 from .._groups import dtensor_copies
 from ._hooks import hooks_set_aside, put_hooks_back
 from ._units import units_for
-from .base import Adapter, Averaging, Replica
+from .base import Adapter, Assigned, Averaging, Replica
 
 _auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = weakref.WeakKeyDictionary()
 
@@ -153,6 +154,19 @@ class FSDP2Adapter(Adapter):
                 found.append(Replica(name, param, copies, alone="" if len(copies) > 1 else "sharded"))
         return found
 
+    reduction = "FSDP2's reduce-scatter"
+
+    def assigned_gradients(self, wrapper: nn.Module) -> Assigned | None:
+        # FSDP2 writes each managed parameter's sharded gradient after its reduce-scatter (all-reduce for
+        # replicate); the sharded DTensor is in no autograd graph of a forward inside its unit.
+        managed = _sharded_forms(wrapper)
+        named = []
+        for name, param in wrapper.named_parameters():
+            sharded = managed.get(id(param))
+            if sharded is not None and sharded.requires_grad:
+                named.append((name, sharded))
+        return Assigned(self.reduction, named) if named else None
+
     @contextlib.contextmanager
     def read_whole(self, wrapper: nn.Module) -> Iterator[None]:
         # The root's group and the output embedding's unit: a backbone called as a submodule unshards its
@@ -175,6 +189,30 @@ class FSDP2Adapter(Adapter):
                 group.post_forward_mesh_info = info
             for unit in units:
                 unit.reshard()  # type: ignore[operator]
+
+
+_sharded_params: dict[int, bool] = {}  # id(tensor) -> whether it is a sharded parameter some FSDP2 unit manages
+
+
+def is_sharded_param(tensor: Any) -> bool:
+    """Whether ``tensor`` is a sharded parameter an FSDP2 unit manages: the ``DTensor`` its module holds between
+    forwards and the optimizer steps, never what a loss inside the unit's forward reads (that is the unsharded
+    parameter the forward gathered). Found by one scan of the live FSDP2 units per tensor, remembered while the
+    tensor lives: a tensor-parallel ``DTensor`` head pays that scan once."""
+    key = id(tensor)
+    known = _sharded_params.get(key)
+    if known is None:
+        gc.collect()  # a unit freed but not collected could hold a dead tensor's id
+        known = any(
+            managed.sharded_param is tensor
+            for unit in gc.get_objects()
+            if issubclass(type(unit), FSDPModule)  # type(), not isinstance: proxies warn when asked their class
+            for group in _param_groups(unit._get_fsdp_state())  # type: ignore[attr-defined]
+            for managed in group.fsdp_params
+        )
+        _sharded_params[key] = known
+        weakref.finalize(tensor, _sharded_params.pop, key, None)
+    return known
 
 
 def _param_groups(state: Any) -> list[Any]:
@@ -248,6 +286,7 @@ class ReplicateFSDPAdapter(FSDP2Adapter):
 
     kind = "replicate_fsdp"
     shards = False
+    reduction = "replicate's all-reduce"
 
     def claims(self, module: nn.Module) -> bool:
         return _replicates(module)

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from ..adapters import Adapter, Replica, registered
+from ..adapters import Adapter, Assigned, Replica, registered
 
 CREATION_ORDER = "_wrapperroute_audit_seq"  # creation order of DDP wrappers, stamped by the audit (see session.py)
 
@@ -55,6 +55,8 @@ class Found:
     replicas: list[Replica]
     alone: dict[str, int]
     kinds: list[str]
+    # (prefix of the names, kind, wrapper, its sharded parameters whose gradients it assigns itself): arrivals.py
+    assigned: list[tuple[str, str, nn.Module, Assigned]] = dataclasses.field(default_factory=list)
 
 
 def replicas(known: list[tuple[Adapter, nn.Module]] | None = None) -> Found:
@@ -64,12 +66,17 @@ def replicas(known: list[tuple[Adapter, nn.Module]] | None = None) -> Found:
     alone: dict[str, int] = {}
     kinds: list[str] = []
     counts: dict[str, int] = {}
+    assigned: list[tuple[str, str, nn.Module, Assigned]] = []
     for adapter, wrapper in known if known is not None else wrappers():
         index = counts[adapter.kind] = counts.get(adapter.kind, -1) + 1
+        prefix = f"{adapter.kind}[{index}]."
         kinds.append(adapter.kind)
         for replica in adapter.replicas(wrapper):
             if replica.compared:
-                found.append(dataclasses.replace(replica, name=f"{adapter.kind}[{index}].{replica.name}"))
+                found.append(dataclasses.replace(replica, name=prefix + replica.name))
             else:
                 alone[replica.alone] = alone.get(replica.alone, 0) + 1
-    return Found(found, alone, sorted(set(kinds)))
+        sharded = adapter.assigned_gradients(wrapper)
+        if sharded is not None:
+            assigned.append((prefix, adapter.kind, wrapper, sharded))
+    return Found(found, alone, sorted(set(kinds)), assigned)

@@ -35,9 +35,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from .. import crossrank
 from .._groups import side_group
 from ..adapters import Adapter
+from ..arrivals import Arrivals, Watch, agree
 from ..crossrank import Outcome, Pending, replica_rows
 from ..errors import GradSyncError
-from .replicas import CREATION_ORDER, replicas, wrappers
+from .replicas import CREATION_ORDER, Found, replicas, wrappers
 from .report import Checkpoint, final_line, format_checkpoint, report
 
 OnDesync = Literal["exit", "raise", "warn"]
@@ -74,8 +75,11 @@ class Audit:
         self.failure: str | None = None  # the audit's own error, once it failed (it audits nothing after)
         self._group = group  # the gloo group comparisons run on; None: a side group of our own
         self._exchange = crossrank.Exchange()
-        # optimizer id -> (label, comparison) started before its step, finished after it
-        self._pending: dict[int, tuple[str, Pending]] = {}
+        # optimizer id -> (label, comparison, how the sharded gradients arrived) started before its step, finished
+        # after it
+        self._pending: dict[int, tuple[str, Pending, Arrivals]] = {}
+        # each wrapper whose sharded gradients it assigns itself -> their watch (arrivals.py), from its first scan
+        self._watches: weakref.WeakKeyDictionary[nn.Module, Watch] = weakref.WeakKeyDictionary()
         # optimizer -> (index in this run's first-step order, steps seen); held weakly: a new optimizer may
         # reuse a dead one's id, and a run after a re-initialised process group starts afresh
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = (
@@ -171,14 +175,18 @@ class Audit:
             params = not every or seen % PARAMS_EVERY == 0
             window = (seen % PARAMS_EVERY, PARAMS_EVERY) if every else None
             found = self._replicas(rescan=False)  # rescanned above on this optimizer's first step
-            if found and not self._compared_at_start:
+            if found.replicas and not self._compared_at_start:
                 # Once, before anything steps: a replica that starts different is a desync even if the run later
                 # makes every copy alike (a NaN spread by the all-reduce), which a comparison read after the
                 # step would miss. Read whole now, not after the step as the deferred comparisons are.
                 self._compared_at_start = True
-                self._record(f"before {label}", self._compare(found).result())
-            if found:  # the signatures exchanged while the optimizer steps; the verdict after it
-                self._pending[id(optimizer)] = (label, self._compare(found, params, ids, window))
+                self._record(f"before {label}", self._compare(found.replicas).result())
+            # Every rank looks, whatever its wrappers (a pipeline's stages differ): the looks are exchanged
+            arrivals = self._arrivals(found)
+            if found.replicas:  # the signatures exchanged while the optimizer steps; the verdict after it
+                self._pending[id(optimizer)] = (label, self._compare(found.replicas, params, ids, window), arrivals)
+            elif found.kinds:  # every parameter sharded: how their gradients arrived is what there is to audit
+                self._record(label, Outcome(compared=0), arrivals)
 
     def _same_training_step(self, optimizer: torch.optim.Optimizer, rescan: bool) -> bool:
         """Whether this call of ``optimizer.step`` belongs to the training step its last call began: a wrapper
@@ -219,7 +227,8 @@ class Audit:
         for pending in [key] if key is not None else list(self._pending):
             started = self._pending.pop(pending, None)
             if started is not None:
-                self._record(started[0], started[1].result())
+                label, comparison, arrivals = started
+                self._record(label, comparison.result(), arrivals)
 
     def finish(self) -> None:
         """The last comparison (parameters only). Every rank calls it, once per process group."""
@@ -232,9 +241,9 @@ class Audit:
             self.finished = True
             if self._running() and self.checkpoints:
                 found = self._replicas(rescan=False)
-                if found:
-                    self._record("end", self._compare(found).result())
-                else:  # the script's models were freed before it ended: said in the final line
+                if found.replicas:
+                    self._record("end", self._compare(found.replicas).result())
+                elif not found.kinds:  # the script's models were freed before it ended: said in the final line
                     self.end_missed = True
 
     def _known(self, rescan: bool) -> list[tuple[Adapter, nn.Module]]:
@@ -245,13 +254,24 @@ class Audit:
             return found
         return alive  # type: ignore[return-value]  # checked: none is None
 
-    def _replicas(self, rescan: bool) -> list[Any]:
+    def _replicas(self, rescan: bool) -> Found:
         # Every rank decides to rescan at the same points (same optimizers, same steps), so the wrapper lists,
         # and with them the keys compared, stay the same on every rank.
         found = replicas(self._known(rescan))
         self.kinds.update(found.kinds)
         self.alone = found.alone
-        return found.replicas
+        return found
+
+    def _arrivals(self, found: Found) -> Arrivals:
+        """How each sharded gradient arrived since the last look, agreed by every rank (collective). A wrapper
+        seen for the first time is watched from now: its first look verifies nothing."""
+        looks = []
+        for prefix, kind, wrapper, assigned in found.assigned:
+            watch = self._watches.get(wrapper)
+            if watch is None:
+                watch = self._watches[wrapper] = Watch(kind, assigned.reduction, assigned.params)
+            looks.append((watch, prefix, watch.look()))
+        return agree(looks, self._side_group())
 
     def _compare(self, found: list[Any], params: bool = True, grads_of: set[int] | None = None,
                  window: tuple[int, int] | None = None) -> Pending:  # fmt: skip
@@ -262,10 +282,12 @@ class Audit:
         rows = replica_rows(found, params=params, grads_of=grads_of, window=window)
         return crossrank.compare_later(rows, self._side_group(), exchange=self._exchange, slot=params)
 
-    def _record(self, label: str, outcome: Outcome) -> None:
-        checkpoint = Checkpoint(label, outcome.compared, outcome.mismatches, outcome.nonfinite)
+    def _record(self, label: str, outcome: Outcome, arrivals: Arrivals | None = None) -> None:
+        arrivals = arrivals or Arrivals()
+        checkpoint = Checkpoint(label, outcome.compared, outcome.mismatches, outcome.nonfinite, arrivals.verified,
+                                list(arrivals.bypassed))  # fmt: skip
         self.checkpoints.append(checkpoint)
-        if checkpoint.differences:
+        if checkpoint.found:
             self._desync(checkpoint)
 
     def _desync(self, checkpoint: Checkpoint) -> None:
@@ -275,7 +297,7 @@ class Audit:
                 print(table + "\n", end="", flush=True)  # one write
             self.finished = True
             raise DesyncExit(DESYNC_EXIT)
-        message = f"wrapperroute audit: replicas differ at {checkpoint.label}\n{table}"
+        message = f"wrapperroute audit: {checkpoint.finding} at {checkpoint.label}\n{table}"
         if self.on_desync == "raise":
             raise AuditDesyncError(message)
         if dist.get_rank() == 0:
@@ -289,7 +311,8 @@ class Audit:
 
     @property
     def desync(self) -> bool:
-        return any(c.differences for c in self.checkpoints)
+        """Whether some checkpoint found something: replicas differing, or a gradient around its reduction."""
+        return any(c.found for c in self.checkpoints)
 
     def final_line(self, script_failed: str | None = None) -> str:
         return final_line(self, script_failed)

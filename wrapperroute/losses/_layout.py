@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.fsdp2 import is_sharded_param
 from ..errors import RouteTypeError, RouteValueError
 
 
@@ -32,6 +33,13 @@ def vocab_shard(weight: torch.Tensor) -> Shard:
     mesh = getattr(weight, "device_mesh", None)
     if placements is None or mesh is None:
         return Shard(weight, 0, weight.shape[0], None)
+    if is_sharded_param(weight):
+        raise RouteValueError(
+            f"weight is FSDP2's sharded parameter ({placements} on {mesh}: its shard over the data-parallel ranks, "
+            "not a tensor-parallel slice of the vocabulary), read outside its FSDP unit's forward, where its "
+            "gradient would skip FSDP's reduce-scatter. Compute the loss inside the wrapper's forward, where FSDP "
+            "gathers it: wrapperroute.route_loss(model, unwrapped, loss_fn, ..., gather=[the head module])"
+        )
     dims = [d for d, p in enumerate(placements) if not p.is_replicate()]
     if any(placements[d].is_partial() for d in dims):
         raise RouteValueError("weight is a DTensor with a Partial placement: reduce it before reading it as a head")
