@@ -207,7 +207,7 @@ def is_sharded_param(tensor: Any) -> bool:
             managed.sharded_param is tensor
             for unit in gc.get_objects()
             if issubclass(type(unit), FSDPModule)  # type(), not isinstance: proxies warn when asked their class
-            for group in _param_groups(unit._get_fsdp_state())  # type: ignore[attr-defined]
+            for group in _param_groups(unit._get_fsdp_state())
             for managed in group.fsdp_params
         )
         _sharded_params[key] = known
