@@ -52,7 +52,7 @@ def _run(command: list[str], timeout: float = 240) -> dict[str, Any]:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"{command} timed out:\n{out[-3000:]}\n{err[-3000:]}")
-    finals = re.findall(r"wrapperroute audit: (?:in sync|DESYNC|nothing audited)[^\n]*", out)
+    finals = re.findall(r"wrapperroute audit: (?:in sync|DESYNC|BYPASSED|nothing audited)[^\n]*", out)
     # torchrun reports each failed rank's status; the launcher itself exits 1 when any rank failed
     statuses = [int(code) for code in re.findall(r"exitcode\s*:\s*(-?\d+)", err)]
     return {"code": proc.returncode, "out": out, "err": err, "final": finals, "rank_codes": statuses}

@@ -152,12 +152,13 @@ def test_a_grad_sync_error_of_the_scripts_own_is_its_failure() -> None:
 @pytest.mark.parametrize(("sync", "verdict", "words"), [
     ("none", "DESYNC", "fsdp2[0].down.weight (gradient)"),
     ("hand", "in sync", "up to 4 tensors compared per step"),
-    ("shard", "nothing audited", "has a copy on another rank: 2 sharded"),
+    ("shard", "in sync", "2 sharded gradient(s) per step came only through their wrapper's reduction"),
 ])  # fmt: skip
 def test_an_adapter_added_after_fully_shard(sync: str, verdict: str, words: str) -> None:
     """A low-rank adapter beside a frozen FSDP2-sharded base (transformers PR #48792): whole on every rank, so
     compared there. As written each rank trains its own: DESYNC, 3. Averaged by hand: in sync, 0, the adapter
-    compared. Sharded too: nothing to compare, 0, and the final line says why."""
+    compared. Sharded too: nothing to compare, and every sharded gradient checked to come through FSDP2's
+    reduce-scatter: in sync, 0."""
     run = _audit(2, "adapters.py", "--sync", sync)
     final = _one_final(run)
     assert final.startswith(f"wrapperroute audit: {verdict}") and words in final, final
@@ -201,3 +202,31 @@ def test_a_parameter_nan_on_one_rank_before_the_first_step() -> None:
     final = _one_final(run)
     assert final.startswith("wrapperroute audit: DESYNC") and "first before step 1" in final, final
     assert "ddp[0].blocks.0.proj.weight (parameter)" in final and 3 in run["rank_codes"], final
+
+
+@pytest.mark.parametrize(("nproc", "layout", "verdict", "words"), [
+    (2, "head_unit", "BYPASSED", "first at step 1: fsdp2[0].lm_head.weight (autograd through the sharded parameter"),
+    (2, "root", "in sync", "up to 6 sharded gradient(s) per step came only through their wrapper's reduction, "
+                           "checked at step(s) 1-3"),
+    (4, "tp_dp", "in sync", "checked at step(s) 1-3"),
+])  # fmt: skip
+def test_every_parameter_sharded(tmp_path: Path, nproc: int, layout: str, verdict: str, words: str) -> None:
+    """No copy to compare anywhere: how each sharded gradient arrived is what the audit checks. TRL's fused head
+    in miniature on a head in its own FSDP2 unit: BYPASSED, naming the head, 3 on every rank (the gradient is
+    0.133 off one process: tests/test_sharded.py). The head in the root's group: in sync, 0, every gradient
+    counted. dp2 x tp2 with the vocabulary-parallel head: in sync, 0 (FSDP's pieces of the 2-D sharded head are
+    told apart from copies: it was a DESYNC before)."""
+    report = tmp_path / "audit.json"
+    run = _audit(nproc, "sharded.py", "--layout", layout, audit=("--json", str(report)))
+    final = _one_final(run)
+    assert final.startswith(f"wrapperroute audit: {verdict}") and words in final, final
+    written = json.loads(report.read_text())
+    if verdict == "BYPASSED":
+        assert written["verdict"] == "bypassed" and written["exit_status"] == 3, written
+        assert written["checkpoints"][0]["bypassed"][0]["key"] == "fsdp2[0].lm_head.weight", written
+        # torchrun names each rank's status (and the first again, in its log line)
+        assert set(run["rank_codes"]) == {3} and len(run["rank_codes"]) > nproc, run["err"][-2000:]
+        assert "bypassed their wrapper's reduction" in run["out"], run["out"][-2000:]  # the step's table
+    else:
+        assert written["verdict"] == "in sync" and run["code"] == 0, run["err"][-2000:]
+        assert all(c["sharded_verified"] > 0 for c in written["checkpoints"]), written

@@ -38,10 +38,11 @@ _autograd_grads: dict[int, list[int]] = {}
 
 
 def watch(params: Iterable[torch.Tensor]) -> None:
-    """Count, from now on, each time autograd computes a gradient for one of ``params`` (once per parameter)."""
+    """Count, from now on, each time autograd computes a gradient for one of ``params`` (once per parameter; a
+    frozen one is left alone)."""
     for param in params:
         key = id(param)
-        if key in _autograd_grads:
+        if key in _autograd_grads or not param.requires_grad:
             continue
         count = [0]
 

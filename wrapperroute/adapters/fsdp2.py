@@ -12,11 +12,13 @@ Two consequences handled here:
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -213,6 +215,42 @@ def is_sharded_param(tensor: Any) -> bool:
         _sharded_params[key] = known
         weakref.finalize(tensor, _sharded_params.pop, key, None)
     return known
+
+
+def on_fully_shard(callback: Callable[[list[torch.Tensor]], None]) -> Callable[[], None]:
+    """From now on, after every ``fully_shard(...)`` a script calls through the names it imports it by
+    (``torch.distributed.fsdp``, and ``torch.distributed._composable.fsdp`` where that is the same function), call
+    ``callback`` with the sharded parameters the new unit manages. Returns the undo."""
+    import torch.distributed.fsdp as public
+
+    homes = [public]
+    try:
+        import torch.distributed._composable.fsdp as composable
+
+        homes.append(composable)
+    except ImportError:
+        pass
+    original = public.fully_shard
+
+    @functools.wraps(original)
+    def made(module: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(module, *args, **kwargs)
+        units = result if isinstance(result, list | tuple) else [result]
+        callback([managed.sharded_param
+                  for group in _param_groups(units[0]._get_fsdp_state())
+                  for managed in group.fsdp_params])  # fmt: skip
+        return result
+
+    changed = [home for home in homes if getattr(home, "fully_shard", None) is original]
+    for home in changed:
+        home.fully_shard = made  # type: ignore[attr-defined]
+
+    def undo() -> None:
+        for home in changed:
+            if home.fully_shard is made:
+                home.fully_shard = original  # type: ignore[attr-defined]
+
+    return undo
 
 
 def _param_groups(state: Any) -> list[Any]:

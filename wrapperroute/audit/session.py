@@ -35,7 +35,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from .. import crossrank
 from .._groups import side_group
 from ..adapters import Adapter
-from ..arrivals import Arrivals, Watch, agree
+from ..adapters.fsdp2 import on_fully_shard
+from ..arrivals import Arrivals, Watch, agree, watch
 from ..crossrank import Outcome, Pending, replica_rows
 from ..errors import GradSyncError
 from .replicas import CREATION_ORDER, Found, replicas, wrappers
@@ -110,6 +111,8 @@ class Audit:
 
         DistributedDataParallel.__init__ = stamped  # type: ignore[method-assign,assignment]
         self._undo.append(lambda: setattr(DistributedDataParallel, "__init__", init))
+        # FSDP2's shards watched from their making, so the first step's gradients are checked too (arrivals.py)
+        self._undo.append(on_fully_shard(self._watch_from_the_start))
         destroy = dist.destroy_process_group
 
         def destroy_after_audit(group: Any = None) -> None:
@@ -121,6 +124,10 @@ class Audit:
 
         dist.destroy_process_group = destroy_after_audit
         self._undo.append(lambda: setattr(dist, "destroy_process_group", destroy))
+
+    def _watch_from_the_start(self, params: list[torch.Tensor]) -> None:
+        with self._guarded():  # inside the script's own fully_shard call: an error of ours must not end it
+            watch(params)
 
     def uninstall(self) -> None:
         while self._undo:
