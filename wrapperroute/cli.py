@@ -78,6 +78,8 @@ def _verdict(routed: bool | str, cell: CellResult) -> str:
         return "exact" if exact else "FAIL"
     if cell.error is not None:
         return "crashes"
+    if cell.bypassed:
+        return "bypassed"
     return "in sync" if exact else "desync"
 
 
@@ -93,6 +95,7 @@ def _row(wrapper: str, loss: str, routed: bool | str, ranks: list[CellResult]) -
         "max_rank_diff": worst.max_rank_diff,
         "max_ref_diff": worst.max_ref_diff,
         "fell_back": any(r.fell_back for r in ranks),
+        "bypassed": sorted({name for r in ranks for name in r.bypassed}),
         "error": last_error_line(worst.error) if worst.error else None,
         "verdict": _verdict(routed, worst),
         "seconds": round(max(r.seconds for r in ranks), 2),
@@ -105,7 +108,7 @@ def _failed_row(wrapper: str, loss: str, routed: bool | str, error: Exception) -
     errors: dict[int, str] = getattr(error, "errors", None) or {0: str(error)}
     return {
         "wrapper": wrapper, "loss": loss, "routed": routed, "params": 0, "differ": 0,
-        "max_rank_diff": 0.0, "max_ref_diff": 0.0, "fell_back": False,
+        "max_rank_diff": 0.0, "max_ref_diff": 0.0, "fell_back": False, "bypassed": [],
         "error": last_error_line(errors[min(errors)]),
         "verdict": "error" if routed == RANK_MEAN else "FAIL" if routed else "crashes",
         "seconds": 0.0,
@@ -123,6 +126,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         verdict = row["verdict"] + (" (fallback)" if row["fell_back"] else "")
         if row["error"]:
             verdict += f": {cut(row['error'], 60)}"
+        elif row["bypassed"]:
+            verdict += f": {', '.join(row['bypassed'])} around the wrapper's reduction"
         path = _path(row["routed"])
         cells = f"{row['wrapper']:<14} {row['loss']:<11} {path:<9} {differing:>16} {rank_diff:>12} {ref_diff:>12}"
         lines.append(f"{cells}  {verdict}")
