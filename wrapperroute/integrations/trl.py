@@ -25,6 +25,14 @@ The obvious fix (route through TRL's ``_forward_redirection``) crashes: the Lige
 ``torch.func`` losses, and DDP's graph optimizer splits them inside the transform ("Cannot access storage of
 TensorWrapper"); the patch runs them isolated from that optimizer.
 
+Later releases install a fused LM head in the model itself (``trl.trainer.utils.add_fused_lm_head``:
+``model(..., fused_lm_head=True)`` runs the backbone, then reads the head's weight directly, never calling the
+head, and gathers a ``DTensor`` head with ``full_tensor()``). Inside the wrapper's forward, so DDP is armed; but on
+a head in its own FSDP2 unit, which only its own forward unshards, the gradient comes back through DTensor's
+redistribution instead of FSDP2's reduce-scatter: consistent across ranks and wrong (``wrapperroute.arrivals``).
+:func:`patch_trl` wraps that installer where the installed package has it: the forward it installs runs, with
+``fused_lm_head=True`` and gradients on, inside the forward of the FSDP2 unit holding the head.
+
 This module imports TRL only when :func:`patch_trl` runs; :class:`ForwardRedirection` never imports it.
 """
 
@@ -42,8 +50,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
+from ..adapters import output_embedding
 from ..detect import detect
 from ..route import Mode, route_loss
 from ._redirection import MISSING, ForwardRedirection
@@ -56,6 +66,8 @@ liger_paths: dict[tuple[str, str], int] = {}
 _COMPANIONS = ("ref_model", "teacher_model")
 # The switch of every Liger path in TRL: a trainer module without it has none.
 _LIGER_SWITCH = "use_liger_kernel"
+# TRL's installer of a fused LM head in the model (``model(..., fused_lm_head=True)``), where a release has one.
+_FUSED_HEAD = "add_fused_lm_head"
 # class -> whether its instances are fused linear losses (see _reads_weights)
 _fused_classes: dict[type, bool] = {}
 
@@ -194,14 +206,60 @@ def _head_gather_deferred(original: Callable[..., Any]) -> Callable[..., Any]:
     return gather_context
 
 
-def _trl_redirection_modules(cls: Any) -> list[Any]:
-    """Every loaded ``trl`` module holding ``cls`` as ``_ForwardRedirection`` (trainers import it by name)."""
+def _head_unit(model: nn.Module) -> nn.Module | None:
+    """The FSDP2 unit of ``model``'s output embedding, when the head is one (alone, or grouped with others): only
+    its own forward unshards the head. None for a head in the root's group, or under any other wrapper."""
+    head = output_embedding(model)
+    if head is None or head is model:
+        return None
+    found = detect(head)
+    return head if found.kind in ("fsdp2", "replicate_fsdp") and found.wrapper is head else None
+
+
+def _fused_head_in_its_unit(original: Callable[..., Any]) -> Callable[..., Any]:
+    """TRL's ``add_fused_lm_head``, then its forward wrapped: with ``fused_lm_head=True`` and gradients on, run
+    inside the forward of the head's FSDP2 unit (``route_loss`` through that unit), where the head is unsharded and
+    its gradient goes through FSDP2's reduce-scatter. Everything else as TRL's forward: looked up on each call,
+    since FSDP is applied after TRL installs the head."""
+
+    @functools.wraps(original)
+    def add_fused_lm_head(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        result = original(model, *args, **kwargs)
+        fused = model.__dict__.get("forward")
+        if fused is None:  # not installed as an instance forward: left as TRL made it
+            _seen("add_fused_lm_head", "no instance forward installed: left alone")
+            return result
+
+        @functools.wraps(fused)
+        def forward(*call_args: Any, fused_lm_head: bool = False, **call_kwargs: Any) -> Any:
+            if fused_lm_head and torch.is_grad_enabled():
+                unit = _head_unit(model)
+                if unit is not None:
+                    _seen("add_fused_lm_head", "fused head read inside its FSDP2 unit's forward")
+                    return route_loss(unit, unit, fused, *call_args, fused_lm_head=True, **call_kwargs)
+            return fused(*call_args, fused_lm_head=fused_lm_head, **call_kwargs)
+
+        forward.__wrapperroute_original__ = fused  # type: ignore[attr-defined]
+        model.forward = forward
+        return result
+
+    add_fused_lm_head.__wrapperroute_original__ = original  # type: ignore[attr-defined]
+    return add_fused_lm_head
+
+
+def _trl_modules_holding(name: str, value: Any) -> list[Any]:
+    """Every loaded ``trl`` module holding ``value`` as ``name`` (trainers import TRL's helpers by name)."""
     return [
         module
-        for name, module in list(sys.modules.items())
-        if (name == "trl" or name.startswith("trl.")) and module is not None
-        and module.__dict__.get("_ForwardRedirection") is cls
+        for module_name, module in list(sys.modules.items())
+        if (module_name == "trl" or module_name.startswith("trl.")) and module is not None
+        and module.__dict__.get(name) is value
     ]  # fmt: skip
+
+
+def _trl_redirection_modules(cls: Any) -> list[Any]:
+    """Every loaded ``trl`` module holding ``cls`` as ``_ForwardRedirection`` (trainers import it by name)."""
+    return _trl_modules_holding("_ForwardRedirection", cls)
 
 
 def fused_loss_trainers(notes: list[str] | None = None) -> list[type]:
@@ -280,6 +338,15 @@ def patch_trl(mode: Mode = "isolate", forward_redirection: bool = True) -> TrlPa
                 _set(label, owner, attribute, wrap(owner.__dict__[attribute]))
     if not trainers:
         notes.append(f"TRL {version} has no trainer with a fused Liger loss")
+    helpers = importlib.import_module("trl.trainer.utils") if _importable("trl.trainer.utils") else None
+    key = f"trl.trainer.utils.{_FUSED_HEAD}"
+    installer: Any = _applied[key][2] if key in _applied else getattr(helpers, _FUSED_HEAD, MISSING)
+    if installer is MISSING:
+        notes.append(f"TRL {version} has no {_FUSED_HEAD}: no fused head in the model to patch")
+    else:
+        wrapped = _fused_head_in_its_unit(installer)
+        for module in _trl_modules_holding(_FUSED_HEAD, installer):
+            _set(f"{module.__name__}.{_FUSED_HEAD}", module, _FUSED_HEAD, wrapped)
     if forward_redirection:
         utils = importlib.import_module("trl.models.utils") if _importable("trl.models.utils") else None
         key = "trl.models.utils._ForwardRedirection"

@@ -1,0 +1,89 @@
+"""Rank bodies for tests/test_trl_fused_head.py (module level: the pool pickles them by reference)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from wrapperroute import check_grad_sync, token_divisor
+from wrapperroute.integrations.trl import patch_trl, unpatch_trl
+
+VOCAB, HIDDEN, SEQ = 128, 32, 8
+
+
+def tiny_llama() -> Any:
+    """A tiny Llama built from a config (nothing downloaded), the same weights on every rank."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4 * SEQ,
+                         tie_word_embeddings=False)  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config)
+
+
+def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch: a different number of valid tokens on every rank (prompt masked)."""
+    generator = torch.Generator().manual_seed(500 + rank)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+    labels = ids.clone()
+    labels[:, : 2 + rank] = -100
+    return ids, labels
+
+
+def valid(labels: torch.Tensor) -> int:
+    return int((labels[:, 1:] != -100).sum())  # the fused head scores position t against label t + 1
+
+
+def shard(model: Any, layout: str) -> None:
+    """Every decoder layer its own FSDP2 unit; the head alone (``head_unit``; ``head_keep``: not resharding
+    after forward and the embedding its own unit, what accelerate builds for a model whose final norm it does not
+    find) or in the root's group (``root``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    if layout == "head_keep":
+        fully_shard(model.model.embed_tokens, mesh=mesh)
+    if layout != "root":
+        fully_shard(model.lm_head, mesh=mesh, reshard_after_forward=layout == "head_unit")
+    fully_shard(model, mesh=mesh)
+
+
+def fused_head_step(layout: str, patched: bool) -> dict[str, Any]:
+    """One step of TRL's own fused head (``add_fused_lm_head``, as installed or under ``patch_trl``) on a tiny
+    Llama under FSDP2, the loss over ``token_divisor`` (``num_items_in_batch``): what ``check_grad_sync`` saw and
+    each gradient's largest difference from one process on the global batch."""
+    from trl.trainer import utils
+
+    if patched:
+        patch_trl()
+    try:
+        model = tiny_llama()
+        utils.add_fused_lm_head(model)
+        reference = tiny_llama()
+        utils.add_fused_lm_head(reference)
+    finally:
+        if patched:
+            unpatch_trl()
+    shard(model, layout)
+    check_grad_sync(model)  # the watch from before the first backward
+    rank = dist.get_rank()
+    ids, labels = batch(rank)
+    divisor = token_divisor(model, valid(labels))
+    model(input_ids=ids, labels=labels, fused_lm_head=True, num_items_in_batch=divisor).loss.backward()
+    report = check_grad_sync(model)
+    batches = [batch(r) for r in range(dist.get_world_size())]
+    total = sum(valid(labels) for _, labels in batches)
+    for ids, labels in batches:
+        reference(input_ids=ids, labels=labels, fused_lm_head=True, num_items_in_batch=total).loss.backward()
+    diffs = {}
+    for (name, param), (_, twin) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        grad = param.grad.full_tensor()  # type: ignore[union-attr]
+        diffs[name] = float((grad - twin.grad).abs().max())  # type: ignore[operator]
+    return {"bypassed": [b.name for b in report.bypassed], "verified": report.verified, "diffs": diffs}

@@ -1,0 +1,37 @@
+"""TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``, TRL >= 1.16: what its GRPO, RLOO, DPO, KTO and SFT
+trainers install) on a tiny Llama under FSDP2, TRL's own code on real ranks. As installed, on a head in its own
+unit: the head's gradient bypasses FSDP2's reduce-scatter, off one process on the global batch, and
+``check_grad_sync`` names it. Under ``patch_trl()``: exact, every sharded gradient through the reduce-scatter. With
+the head in the root's group TRL is right either way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import rankside_trl_fused_head
+
+from wrapperroute.ranks import RankPool
+
+utils = pytest.importorskip("trl.trainer.utils", reason="TRL is not installed")
+if not hasattr(utils, "add_fused_lm_head"):
+    pytest.skip("the installed TRL has no add_fused_lm_head (TRL >= 1.16 has)", allow_module_level=True)
+
+
+@pytest.mark.parametrize("layout", ["head_unit", "head_keep", "root"])
+def test_fused_head(pool: RankPool, layout: str) -> None:
+    for rank in pool.run(rankside_trl_fused_head.fused_head_step, layout, False):
+        print(f"\nas installed, {layout}: {_said(rank)}")
+        if layout == "root":
+            assert not rank["bypassed"] and max(rank["diffs"].values()) <= 1e-6, rank
+        else:
+            assert rank["bypassed"] == ["lm_head.weight"] and rank["diffs"]["lm_head.weight"] > 1e-3, rank
+    for rank in pool.run(rankside_trl_fused_head.fused_head_step, layout, True):
+        print(f"patched, {layout}: {_said(rank)}")
+        assert not rank["bypassed"] and rank["verified"] == len(rank["diffs"]), rank
+        assert max(rank["diffs"].values()) <= 1e-6, rank
+
+
+def _said(rank: dict[str, Any]) -> str:
+    worst = max(rank["diffs"], key=rank["diffs"].__getitem__)
+    return f"bypassed {rank['bypassed']}, verified {rank['verified']}, worst {rank['diffs'][worst]:.3g} ({worst})"
