@@ -87,3 +87,27 @@ def fused_head_step(layout: str, patched: bool) -> dict[str, Any]:
         grad = param.grad.full_tensor()  # type: ignore[union-attr]
         diffs[name] = float((grad - twin.grad).abs().max())  # type: ignore[operator]
     return {"bypassed": [b.name for b in report.bypassed], "verified": report.verified, "diffs": diffs}
+
+
+def guard_raises(patched: bool) -> str | None:
+    """A step of TRL's fused head on a head in its own FSDP2 unit under ``guard``: the error it raised, if any."""
+    from trl.trainer import utils
+
+    from wrapperroute import GradSyncError, guard
+
+    if patched:
+        patch_trl()
+    try:
+        model = tiny_llama()
+        utils.add_fused_lm_head(model)
+    finally:
+        if patched:
+            unpatch_trl()
+    shard(model, "head_unit")
+    ids, labels = batch(dist.get_rank())
+    with guard(model):
+        try:
+            model(input_ids=ids, labels=labels, fused_lm_head=True).loss.backward()
+        except GradSyncError as error:
+            return str(error)
+    return None

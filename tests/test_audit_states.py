@@ -230,3 +230,25 @@ def test_every_parameter_sharded(tmp_path: Path, nproc: int, layout: str, verdic
     else:
         assert written["verdict"] == "in sync" and run["code"] == 0, run["err"][-2000:]
         assert all(c["sharded_verified"] > 0 for c in written["checkpoints"]), written
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed")
+def test_trls_fused_head_on_a_head_in_its_own_unit() -> None:
+    """TRL's own fused head (TRL >= 1.16) on a tiny Llama, the head in its own FSDP2 unit: BYPASSED naming the head,
+    3 on every rank; under patch_trl(), and with the head in the root's group as installed: in sync, 0, every
+    sharded gradient counted."""
+    from trl.trainer import utils
+
+    if not hasattr(utils, "add_fused_lm_head"):
+        pytest.skip("the installed TRL has no add_fused_lm_head (TRL >= 1.16 has)")
+    bad = _audit(2, "sharded.py", "--model", "trl", "--layout", "head_unit")
+    final = _one_final(bad)
+    assert final.startswith("wrapperroute audit: BYPASSED") and "first at step 1: fsdp2[0].lm_head.weight" in final, (
+        final)  # fmt: skip
+    assert set(bad["rank_codes"]) == {3} and len(bad["rank_codes"]) > 2, bad["err"][-2000:]
+    for args in (("--layout", "head_unit", "--patch"), ("--layout", "root")):
+        good = _audit(2, "sharded.py", "--model", "trl", *args)
+        final = _one_final(good)
+        assert final.startswith("wrapperroute audit: in sync") and "up to 21 sharded gradient(s) per step" in final, (
+            final)  # fmt: skip
+        assert good["code"] == 0, good["err"][-2000:]

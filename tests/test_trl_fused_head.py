@@ -32,6 +32,13 @@ def test_fused_head(pool: RankPool, layout: str) -> None:
         assert max(rank["diffs"].values()) <= 1e-6, rank
 
 
+def test_guard(pool: RankPool) -> None:
+    """guard raises from the backward of TRL's fused head as installed, on every rank; patched it is quiet."""
+    for said in pool.run(rankside_trl_fused_head.guard_raises, False):
+        assert said is not None and "lm_head.weight" in said and "reduce-scatter" in said, said
+    assert pool.run(rankside_trl_fused_head.guard_raises, True) == [None, None]
+
+
 def _said(rank: dict[str, Any]) -> str:
     worst = max(rank["diffs"], key=rank["diffs"].__getitem__)
     return f"bypassed {rank['bypassed']}, verified {rank['verified']}, worst {rank['diffs'][worst]:.3g} ({worst})"

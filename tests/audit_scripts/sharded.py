@@ -6,6 +6,8 @@
 - ``--layout root``: the head in the root's group, the same fused forward: exact.
 - ``--layout tp_dp`` (4 ranks): dp2 x tp2, the head ``ColwiseParallel`` over tp, FSDP2 over dp, the loss routed
   through ``wrapperroute.losses`` on the vocabulary-parallel head.
+- ``--model trl``: TRL's own fused head (``trl.trainer.utils.add_fused_lm_head``, TRL >= 1.16) on a tiny Llama
+  built from a config, ``--layout head_unit`` or ``root``; ``--patch``: under ``patch_trl()``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def main() -> None:
     parser.add_argument("--layout", choices=["head_unit", "root", "tp_dp"], required=True)
     parser.add_argument("--loss", choices=["fused", "routed"], default="fused")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--model", choices=["miniature", "trl"], default="miniature")
+    parser.add_argument("--patch", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -48,6 +52,25 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad()
             print(f"rank {rank} step {step} loss {loss.item():.4f}", flush=True)
+    elif args.model == "trl":
+        import rankside_trl_fused_head as trl_case
+        from trl.trainer import utils
+
+        from wrapperroute.integrations.trl import patch_trl
+
+        if args.patch:
+            patch_trl()
+        model = trl_case.tiny_llama()
+        utils.add_fused_lm_head(model)
+        trl_case.shard(model, args.layout)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        for step in range(args.steps):
+            ids, labels = trl_case.batch(rank + 2 * step)
+            divisor = token_divisor(model, trl_case.valid(labels))
+            model(input_ids=ids, labels=labels, fused_lm_head=True, num_items_in_batch=divisor).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            print(f"rank {rank} step {step}", flush=True)
     else:
         model = rankside_sharded.fused_model()
         rankside_sharded.shard(model, args.layout)
