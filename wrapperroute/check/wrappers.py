@@ -197,6 +197,12 @@ WRAPPERS: dict[str, WrapperCase] = {
         # plain model(...) step's, routed or not. Right in 2.9.1 and 2.13.0. (2.5 not measured.)
         cpu_torch=((2, 9), "before 2.9, fully_shard on gloo fails or sums gradients instead of averaging them"),
     ),
+    "fsdp2_units": WrapperCase(
+        "fsdp2_units",
+        "wrapperroute.check.wrap_fsdp:build_fsdp2",
+        defaults=(("groups", "layers"),),  # every block and the head their own units: the head read outside its own
+        cpu_torch=((2, 9), "before 2.9, fully_shard on gloo fails or sums gradients instead of averaging them"),
+    ),
     "replicate_fsdp": WrapperCase(
         "replicate_fsdp",
         "wrapperroute.check.wrap_fsdp:build_replicate_fsdp",
