@@ -252,3 +252,22 @@ def test_trls_fused_head_on_a_head_in_its_own_unit() -> None:
         assert final.startswith("wrapperroute audit: in sync") and "up to 21 sharded gradient(s) per step" in final, (
             final)  # fmt: skip
         assert good["code"] == 0, good["err"][-2000:]
+
+
+@pytest.mark.parametrize(("layout", "bug", "verdict", "words"), [
+    ("pp2_ddp", None, "in sync", "up to 6 tensors compared per step"),
+    ("pp2_ddp", "scale", "DESYNC", "ddp[0].blocks.0.proj.weight (gradient)"),
+    ("pp2_fsdp2", None, "in sync", "up to 3 sharded gradient(s) per step came only through"),
+    ("pp2_fsdp2", "full_tensor", "BYPASSED", "first at step 1: fsdp2[0].lm_head.weight"),
+])  # fmt: skip
+def test_a_pipeline_with_data_parallel_stages(layout: str, bug: str | None, verdict: str, words: str) -> None:
+    """pp2 x dp2 on 4 ranks, 1F1B, PipelineLoss on the last stage: each stage's replicas compared within its own
+    data-parallel group (DDP), or each stage's shards checked for how their gradients arrived (FSDP2). A replica of
+    stage 0 scaled by hand on one rank: DESYNC, 3; the FSDP2 head read whole around its unit: BYPASSED, 3."""
+    run = _audit(4, "pipeline.py", "--layout", layout, *(("--bug", bug) if bug else ()))
+    final = _one_final(run)
+    assert final.startswith(f"wrapperroute audit: {verdict}") and words in final, final
+    if bug is None:
+        assert run["code"] == 0, run["err"][-2000:]
+    else:
+        assert set(run["rank_codes"]) == {3} and len(run["rank_codes"]) > 4, run["err"][-2000:]

@@ -8,6 +8,7 @@ Public surface::
     check_grad_sync(model)                               # after backward: are gradients equal across ranks?
     guard(model)                                         # raise when a DDP backward was never armed
     token_divisor(model, count)                          # divide a summed loss by it: the global token mean
+    PipelineLoss(stages, summed)                         # a pipeline schedule's loss_fn on its last stage
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .errors import (
     UnroutedModelWarning,
     WrapperRouteError,
 )
+from .pipeline import PipelineLoss
 from .route import MODES, Mode, route_loss
 from .tokens import token_divisor
 
@@ -34,6 +36,7 @@ __all__ = [
     "Detection",
     "GradSyncError",
     "Mode",
+    "PipelineLoss",
     "RouteStateError",
     "RouteTypeError",
     "RouteValueError",
