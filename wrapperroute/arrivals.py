@@ -93,7 +93,8 @@ class Watch:
         # other's gradient may have arrived unseen, so the first look verifies nothing.
         self.watching_since_start = all(id(param) in _autograd_grads for _, param in named)
         watch(param for _, param in named)
-        self._seen = {name: 0 if self.watching_since_start else _autograd_grads[id(param)][0] for name, param in named}
+        self._seen = {name: 0 if self.watching_since_start else _autograd_grads.get(id(param), [0])[0]
+                      for name, param in named}  # fmt: skip
         self._looked = self.watching_since_start
 
     def __len__(self) -> int:

@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import tokens
 from .adapters import Averaging
 from .detect import detect
 from .errors import RouteStateError, RouteValueError
 from .route import route_loss
-from . import tokens
 
 __all__ = ["PipelineLoss"]
 

@@ -204,7 +204,6 @@ def is_sharded_param(tensor: Any) -> bool:
     key = id(tensor)
     known = _sharded_params.get(key)
     if known is None:
-        gc.collect()  # a unit freed but not collected could hold a dead tensor's id
         known = any(
             managed.sharded_param is tensor
             for unit in gc.get_objects()
@@ -217,10 +216,11 @@ def is_sharded_param(tensor: Any) -> bool:
     return known
 
 
-def on_fully_shard(callback: Callable[[list[torch.Tensor]], None]) -> Callable[[], None]:
+def on_fully_shard(callback: Callable[[list[nn.Module]], None]) -> Callable[[], None]:
     """From now on, after every ``fully_shard(...)`` a script calls through the names it imports it by
     (``torch.distributed.fsdp``, and ``torch.distributed._composable.fsdp`` where that is the same function), call
-    ``callback`` with the sharded parameters the new unit manages. Returns the undo."""
+    ``callback`` with the modules it made a unit of (read their parameters with :func:`managed_params`). Returns
+    the undo."""
     import torch.distributed.fsdp as public
 
     homes = [public]
@@ -235,10 +235,7 @@ def on_fully_shard(callback: Callable[[list[torch.Tensor]], None]) -> Callable[[
     @functools.wraps(original)
     def made(module: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(module, *args, **kwargs)
-        units = result if isinstance(result, list | tuple) else [result]
-        callback([managed.sharded_param
-                  for group in _param_groups(units[0]._get_fsdp_state())
-                  for managed in group.fsdp_params])  # fmt: skip
+        callback(list(result) if isinstance(result, list | tuple) else [result])
         return result
 
     changed = [home for home in homes if getattr(home, "fully_shard", None) is original]
@@ -251,6 +248,14 @@ def on_fully_shard(callback: Callable[[list[torch.Tensor]], None]) -> Callable[[
                 home.fully_shard = original  # type: ignore[attr-defined]
 
     return undo
+
+
+def managed_params(units: list[nn.Module]) -> list[torch.Tensor]:
+    """The sharded parameters FSDP2 manages in ``units`` (modules ``fully_shard`` made units of)."""
+    return [managed.sharded_param
+            for unit in units if _is_unit(unit)
+            for group in _param_groups(unit._get_fsdp_state())  # type: ignore[operator]
+            for managed in group.fsdp_params]  # fmt: skip
 
 
 def _param_groups(state: Any) -> list[Any]:

@@ -35,7 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from .. import crossrank
 from .._groups import side_group
 from ..adapters import Adapter
-from ..adapters.fsdp2 import on_fully_shard
+from ..adapters.fsdp2 import managed_params, on_fully_shard
 from ..arrivals import Arrivals, Watch, agree, watch
 from ..crossrank import Outcome, Pending, replica_rows
 from ..errors import GradSyncError
@@ -125,9 +125,9 @@ class Audit:
         dist.destroy_process_group = destroy_after_audit
         self._undo.append(lambda: setattr(dist, "destroy_process_group", destroy))
 
-    def _watch_from_the_start(self, params: list[torch.Tensor]) -> None:
+    def _watch_from_the_start(self, units: list[nn.Module]) -> None:
         with self._guarded():  # inside the script's own fully_shard call: an error of ours must not end it
-            watch(params)
+            watch(managed_params(units))
 
     def uninstall(self) -> None:
         while self._undo:
