@@ -28,7 +28,8 @@ def _mesh(tp: int) -> Any:
     return init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
 
 
-def options_on_a_sharded_head(tp: int, sequence_parallel: bool, cases: list[ref.Case]) -> dict[str, float]:
+def options_on_a_sharded_head(tp: int, sequence_parallel: bool, cases: list[ref.Case],
+                              indices: list[int] | None = None) -> dict[str, float]:  # fmt: skip
     """Each case's values and gradients (hidden states, head, bias) within its tolerance of the truth; returns
     the largest difference seen per dtype. Per-token results on hidden states sharded on tokens must come back
     as DTensors sharded alike, each rank its own rows; their targets whole, or (every other case) sharded
@@ -39,7 +40,7 @@ def options_on_a_sharded_head(tp: int, sequence_parallel: bool, cases: list[ref.
     coordinate = mesh.get_local_rank()
     mine, vocab_rows = _rows(ROWS, tp, coordinate), _rows(VOCAB, tp, coordinate)
     worst = {"float64": 0.0, "float32": 0.0}
-    for index, case in enumerate(cases):
+    for index, case in zip(indices or range(len(cases)), cases, strict=True):  # index: the case's in ref.CASES
         made = ref.inputs(case, ROWS, HIDDEN, VOCAB, seed=index)
         exact = {name: made[name].detach().double().requires_grad_() if made[name] is not None else None
                  for name in ("hidden", "weight", "bias")}  # fmt: skip

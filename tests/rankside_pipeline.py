@@ -13,6 +13,7 @@ from torch import nn
 
 from wrapperroute import PipelineLoss, RouteStateError, RouteValueError
 from wrapperroute.check.models import TinyConfig, build_model
+from wrapperroute.losses import linear_cross_entropy
 
 CONFIG = TinyConfig()
 IGNORE = -100
@@ -62,14 +63,17 @@ def inner(module: nn.Module) -> Any:
 
 
 def layout_of(layout: str) -> tuple[int, int, Any, Any]:
-    """(pipeline coordinate, data-parallel replica, pipeline group, data-parallel mesh) of this rank: ``pp2`` on 2
-    ranks; ``pp2_fsdp2``, ``pp2_ddp``: a (pp, dp) mesh on 4."""
+    """(pipeline coordinate, data-parallel replica, pipeline group, the other mesh dimension) of this rank: ``pp2``
+    on 2 ranks; ``pp2_fsdp2``, ``pp2_ddp``: a (pp, dp) mesh on 4; ``pp2_tp2``: a (pp, tp) mesh on 4, the ranks of
+    a tensor-parallel group reading one batch."""
     if layout == "pp2":
         return dist.get_rank(), 0, None, None
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    return mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), mesh["pp"].get_group(), mesh["dp"]
+    second = "tp" if layout == "pp2_tp2" else "dp"
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", second))
+    replica = 0 if second == "tp" else mesh.get_local_rank("dp")
+    return mesh.get_local_rank("pp"), replica, mesh["pp"].get_group(), mesh[second]
 
 
 def wrap(piece: Piece, layout: str, dp_mesh: Any) -> nn.Module:
@@ -84,6 +88,10 @@ def wrap(piece: Piece, layout: str, dp_mesh: Any) -> nn.Module:
         return fully_shard(piece, mesh=dp_mesh)  # type: ignore[no-any-return]
     if layout == "pp2_ddp":
         return nn.parallel.DistributedDataParallel(piece, process_group=dp_mesh.get_group())
+    if layout == "pp2_tp2" and piece.lm_head is not None:  # the head split on the vocabulary over tp
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        parallelize_module(piece, dp_mesh, {"lm_head": ColwiseParallel(use_local_output=False)})
     return piece
 
 
@@ -114,7 +122,10 @@ def run(schedule_name: str, layout: str, how: str = "routed", steps: int = 1) ->
     last = modules.get(count - 1)
 
     def summed(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits = output.flatten(0, 1) @ inner(last).lm_head.weight.t()  # type: ignore[arg-type]
+        weight = inner(last).lm_head.weight  # type: ignore[arg-type]
+        if layout == "pp2_tp2":  # the vocabulary-parallel head read as it is
+            return linear_cross_entropy(output.flatten(0, 1), weight, target.flatten(), reduction="sum")
+        logits = output.flatten(0, 1) @ weight.t()
         return F.cross_entropy(logits, target.flatten(), ignore_index=IGNORE, reduction="sum")
 
     routed = PipelineLoss(stages := [PipelineStage(modules[i], i, count, torch.device("cpu"), group=pp_group)
@@ -133,7 +144,7 @@ def run(schedule_name: str, layout: str, how: str = "routed", steps: int = 1) ->
     schedule = kinds[schedule_name](stages if schedule_name in MULTI else stages[0], n_microbatches=MICRO,
                                     loss_fn=loss_fn, scale_grads=how == "mean")  # fmt: skip
     reference = build_model(CONFIG)
-    replicas = 1 if dp_mesh is None else dp_mesh.size()
+    replicas = 1 if dp_mesh is None or layout == "pp2_tp2" else dp_mesh.size()
     error = None
     for step in range(steps):
         ids, labels = batch(replica, step)

@@ -33,12 +33,12 @@ def _extensions_with_stale_lock(tmp_path: Path) -> tuple[Path, Path]:
 
 @NEEDS_DS
 def test_torch_waits_on_a_stale_lock_silently(tmp_path: Path) -> None:
-    """The premise: DeepSpeed's op load, given a stale lock, is still waiting after 20 s, having said nothing."""
+    """The premise: DeepSpeed's op load, given a stale lock, is still waiting after 12 s, having said nothing."""
     root, lock = _extensions_with_stale_lock(tmp_path)
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root), "DS_ACCELERATOR": "cpu"}
     code = "from deepspeed.comm.torch import build_shm_op; build_shm_op(); print('loaded')"
     with pytest.raises(subprocess.TimeoutExpired) as waited:
-        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=20)
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=12)
     assert "loaded" not in str(waited.value.stdout or b""), "the op loaded despite the stale lock"
     assert lock.exists(), "the stale lock is gone: the premise does not hold"
 

@@ -1,8 +1,8 @@
 """Pipeline parallelism (``torch.distributed.pipelining``) with ``PipelineLoss`` on the last stage: every gradient of
 every stage within 1e-6 of one process on the global batch, 4 micro-batches of uneven valid tokens, for GPipe,
-1F1B, interleaved 1F1B and ZBV on 2 ranks, and with FSDP2 (the head in its own unit) or DDP inside the stages on
-a (pp2, dp2) mesh of 4; the bare loss, and the schedule's own scaling of a per-micro-batch mean, against the same
-truth."""
+1F1B, interleaved 1F1B and ZBV on 2 ranks, with FSDP2 (the head in its own unit) or DDP inside the stages on a
+(pp2, dp2) mesh of 4, and a vocabulary-parallel head on the last stage of a (pp2, tp2) mesh; the bare loss, and
+the schedule's own scaling of a per-micro-batch mean, against the same truth."""
 
 from __future__ import annotations
 
@@ -52,6 +52,15 @@ def test_data_parallel_inside_the_stages(pool4: RankPool, layout: str, schedules
     else:
         for rank in pool4.run(rankside_pipeline.run, "1f1b", layout, "bare"):
             assert rank["error"] is None and rank["worst"] <= TOLERANCE, rank
+
+
+def test_tensor_parallel_head_on_the_last_stage(pool4: RankPool) -> None:
+    """pp2 x tp2: the last stage's head split on the vocabulary (ColwiseParallel), the loss through
+    wrapperroute.losses on the shard as it is; no data-parallel wrapper on the stages, the tensor-parallel ranks
+    reading one batch. Exact, every schedule of one stage a rank."""
+    for schedule in ("gpipe", "1f1b"):
+        for rank in pool4.run(rankside_pipeline.run, schedule, "pp2_tp2", "routed", 2):
+            assert rank["error"] is None and rank["worst"] <= TOLERANCE, (schedule, rank)
 
 
 def test_misuse_is_refused(pool: RankPool) -> None:
