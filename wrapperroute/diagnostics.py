@@ -131,20 +131,19 @@ def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None,
 
 
 def _arrivals(adapter: Adapter | None, wrapper: nn.Module | None, group: Any) -> tuple[Arrivals, str]:
-    """How the wrapper's sharded gradients arrived since the last call, agreed over ``group`` (collective: every
-    rank, whatever its wrapper), and what the watch could not see yet."""
+    """How the wrapper's sharded gradients arrived since the last call, agreed over ``group`` (a collective, where
+    the wrapper assigns such gradients: every rank holds the same model), and what the watch could not see yet."""
     assigned = adapter.assigned_gradients(wrapper) if adapter is not None and wrapper is not None else None
-    looks = []
+    if adapter is None or wrapper is None or assigned is None:
+        return Arrivals(), ""  # every rank holds the same model: none of them has sharded gradients to look at
     said = ""
-    if adapter is not None and wrapper is not None and assigned is not None:
-        watch = _watches.get(wrapper)
-        if watch is None:
-            watch = _watches[wrapper] = Watch(adapter.kind, assigned.reduction, assigned.params)
-            if not watch.watching_since_start:
-                said = (f"{len(watch)} sharded gradient(s) watched from this call on (call check_grad_sync once "
-                        "before the first backward to check that one too)")  # fmt: skip
-        looks.append((watch, "", watch.look()))
-    return agree(looks, group), said
+    watch = _watches.get(wrapper)
+    if watch is None:
+        watch = _watches[wrapper] = Watch(adapter.kind, assigned.reduction, assigned.params)
+        if not watch.watching_since_start:
+            said = (f"{len(watch)} sharded gradient(s) watched from this call on (call check_grad_sync once before "
+                    "the first backward to check that one too)")  # fmt: skip
+    return agree([(watch, "", watch.look())], group), said
 
 
 def _not_compared(every: list[Replica], compared: list[Replica]) -> str:

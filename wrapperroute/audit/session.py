@@ -188,8 +188,8 @@ class Audit:
                 # step would miss. Read whole now, not after the step as the deferred comparisons are.
                 self._compared_at_start = True
                 self._record(f"before {label}", self._compare(found.replicas).result())
-            # Every rank looks, whatever its wrappers (a pipeline's stages differ): the looks are exchanged
-            arrivals = self._arrivals(found)
+            # Every rank holds the same kinds of wrapper, as for the comparison: the looks are exchanged among all
+            arrivals = self._arrivals(found) if found.assigned else Arrivals()
             if found.replicas:  # the signatures exchanged while the optimizer steps; the verdict after it
                 self._pending[id(optimizer)] = (label, self._compare(found.replicas, params, ids, window), arrivals)
             elif found.kinds:  # every parameter sharded: how their gradients arrived is what there is to audit
