@@ -17,6 +17,8 @@ and replicas hold.
 
 from __future__ import annotations
 
+import gc
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -68,6 +70,14 @@ class PipelineLoss:
         last = [stage for stage in self.stages if stage.is_last]
         self.stage = last[0] if last else None  # the last stage, where this rank holds it
         self.divisor: torch.Tensor | None = None  # this step's, set by begin_step
+        for said in _tied_elsewhere(self.stages):
+            warnings.warn(
+                f"wrapperroute.PipelineLoss: {said}, a module in none of this rank's stages: a weight tied across "
+                "stages gets each stage's part of its gradient only (torch's pipelining does not sum them). Sum its "
+                "gradient over the ranks of the stages that hold it after each step (docs/pipeline.md).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     @property
     def module(self) -> nn.Module | None:
@@ -113,3 +123,19 @@ class PipelineLoss:
         if not detect(module).distributed:  # no wrapper holds the stage: nothing to route through
             return self.summed(output, target) / self.divisor
         return route_loss(module, None, self.summed, output, target, gather=self.gather) / self.divisor
+
+
+def _tied_elsewhere(stages: Sequence[Any]) -> list[str]:
+    """Each parameter of this rank's stages that a live module outside them holds too (the embedding a head is tied
+    to, when the stages were cut from one model in this process), said in words. One scan of the process's objects,
+    once per loss."""
+    mine = {id(param): f"stage {stage.stage_index}'s {name}"
+            for stage in stages for name, param in stage.submod.named_parameters()}  # fmt: skip
+    inside = {id(module) for stage in stages for module in stage.submod.modules()}
+    said = []
+    for holder in gc.get_objects():
+        if issubclass(type(holder), nn.Module) and id(holder) not in inside:  # type(): proxies warn on isinstance
+            for name, param in holder._parameters.items():
+                if param is not None and id(param) in mine:
+                    said.append(f"{mine[id(param)]} is also {type(holder).__name__}.{name}")
+    return said
