@@ -135,7 +135,7 @@ def _tied_elsewhere(stages: Sequence[Any]) -> list[str]:
     said = []
     for holder in gc.get_objects():
         if issubclass(type(holder), nn.Module) and id(holder) not in inside:  # type(): proxies warn on isinstance
-            for name, param in holder._parameters.items():
-                if param is not None and id(param) in mine:
+            for name, param in holder.named_parameters(recurse=False, remove_duplicate=False):
+                if id(param) in mine:
                     said.append(f"{mine[id(param)]} is also {type(holder).__name__}.{name}")
     return said
