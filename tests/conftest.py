@@ -52,3 +52,11 @@ def pool() -> Iterator[RankPool]:
     ranks.start()
     yield ranks
     ranks.close()
+
+
+@pytest.fixture(scope="session")
+def pool4() -> Iterator[RankPool]:
+    """Four gloo ranks, spawned once, at the first test that needs them: the layouts that need 4 ranks to be what
+    they are (HSDP, dp x tp, pp x dp)."""
+    with RankPool(4) as ranks:
+        yield ranks

@@ -7,7 +7,6 @@ outside any forward crashes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,12 +17,6 @@ from wrapperroute.check.wrappers import WRAPPERS
 from wrapperroute.ranks import RankPool
 
 LAYOUTS = ["hsdp", "fsdp2_tail", "fsdp2_keep", "fsdp2_reshard2"]
-
-
-@pytest.fixture(scope="module")
-def pool4() -> Iterator[RankPool]:
-    with RankPool(4) as ranks:
-        yield ranks
 
 
 def _assert_exact(results: list[dict[str, Any]]) -> None:

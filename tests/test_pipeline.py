@@ -6,20 +6,12 @@ the schedule's own scaling of a per-micro-batch mean, against the same truth."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import rankside_pipeline
 
 from wrapperroute.ranks import RankPool
 
 TOLERANCE = 1e-6
-
-
-@pytest.fixture(scope="module")
-def pool4() -> Iterator[RankPool]:
-    with RankPool(4) as ranks:
-        yield ranks
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zbv"])
