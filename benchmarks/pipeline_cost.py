@@ -33,34 +33,19 @@ def routed_over_bare(size: str, reps: int) -> dict[str, Any]:
     """On every rank of 4: a 1F1B step with ``PipelineLoss`` against the same step with the bare loss."""
     import torch
     import torch.nn.functional as F
-    from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from wrapperroute import PipelineLoss
+    from wrapperroute.check.models import stage_pieces
 
     config = bench_ranks.SIZES[size]
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     coordinate, replica = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
 
-    class Piece(nn.Module):
-        def __init__(self, model: Any, first: bool) -> None:
-            super().__init__()
-            half = len(model.blocks) // 2
-            self.embed = model.embed if first else None
-            self.blocks = nn.ModuleList(model.blocks[:half] if first else model.blocks[half:])
-            self.lm_head = None if first else model.lm_head
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if self.embed is not None:
-                x = self.embed(x)
-            for block in self.blocks:
-                x = block(x)
-            return x
-
     def pipeline(routed: bool) -> tuple[Any, Any, Any]:
-        piece = Piece(bench_ranks.build_model(config), coordinate == 0)
+        piece = stage_pieces(bench_ranks.build_model(config), 2)[coordinate]
         for block in piece.blocks:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(piece, mesh=mesh["dp"])  # the head in the root's group, unsharded after the forward

@@ -13,39 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from wrapperroute import PipelineLoss, RouteStateError, RouteValueError
-from wrapperroute.check.models import TinyConfig, build_model
+from wrapperroute.check.models import StagePiece, TinyConfig, build_model, stage_pieces
 from wrapperroute.losses import linear_cross_entropy
 
 CONFIG = TinyConfig()
 IGNORE = -100
 MICRO = 4
 MULTI = ("interleaved", "zbv")  # two stages per rank
-
-
-class Piece(nn.Module):
-    """A stage's part of the model: the embedding, some blocks, the head (read by the loss, never called)."""
-
-    def __init__(self, embed: nn.Module | None = None, blocks: tuple[nn.Module, ...] = (),
-                 head: nn.Module | None = None) -> None:  # fmt: skip
-        super().__init__()
-        self.embed = embed
-        self.blocks = nn.ModuleList(blocks)
-        self.lm_head = head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def pieces(model: Any, stages: int) -> list[Piece]:
-    """2 stages: embedding and block 0, then block 1 and the head; 4: one part each."""
-    if stages == 2:
-        return [Piece(model.embed, (model.blocks[0],)), Piece(blocks=(model.blocks[1],), head=model.lm_head)]
-    return [Piece(model.embed), Piece(blocks=(model.blocks[0],)), Piece(blocks=(model.blocks[1],)),
-            Piece(head=model.lm_head)]  # fmt: skip
 
 
 def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +51,7 @@ def layout_of(layout: str) -> tuple[int, int, Any, Any]:
     return mesh.get_local_rank("pp"), replica, mesh["pp"].get_group(), mesh[second]
 
 
-def wrap(piece: Piece, layout: str, dp_mesh: Any) -> nn.Module:
+def wrap(piece: StagePiece, layout: str, dp_mesh: Any) -> nn.Module:
     """FSDP2 inside the stage (each block and the head their own units), DDP over its replicas, or as it is."""
     if layout in ("pp2_fsdp2", "pp2_fsdp2_root"):
         from torch.distributed.fsdp import fully_shard
@@ -110,7 +84,7 @@ def run(schedule_name: str, layout: str, how: str = "routed", steps: int = 1) ->
     )  # fmt: skip
 
     model = build_model(CONFIG)
-    parts = pieces(model, 4 if schedule_name in MULTI else 2)
+    parts = stage_pieces(model, 4 if schedule_name in MULTI else 2)
     count = len(parts)
     coordinate, replica, pp_group, dp_mesh = layout_of(layout)
     held = {"zbv": [coordinate, count - 1 - coordinate], "interleaved": [coordinate, coordinate + 2]}.get(
@@ -179,7 +153,7 @@ def misuse() -> None:
 
     model = build_model(CONFIG)
     index = dist.get_rank()
-    stage = PipelineStage(pieces(model, 2)[index], index, 2, torch.device("cpu"))
+    stage = PipelineStage(stage_pieces(model, 2)[index], index, 2, torch.device("cpu"))
     loss = PipelineLoss(stage, lambda output, target: output.sum())
     scaled = ScheduleGPipe(stage, n_microbatches=MICRO, loss_fn=loss)  # scale_grads=True by default
     try:
@@ -213,7 +187,7 @@ def bare_after_the_stage(layout: str) -> str | None:
     crashed last stage would leave the first waiting for its gradients)."""
     model = build_model(CONFIG)
     coordinate, replica, _, dp_mesh = layout_of(layout)
-    module = wrap(pieces(model, 2)[coordinate], layout, dp_mesh)
+    module = wrap(stage_pieces(model, 2)[coordinate], layout, dp_mesh)
     if coordinate == 0:
         return None
     _, labels = batch(replica, 0)
@@ -236,7 +210,7 @@ def tied_embedding(fixed: bool) -> dict[str, Any]:
     config = TinyConfig(tied=True)
     model = build_model(config)
     index = dist.get_rank()
-    part = pieces(model, 2)[index]
+    part = stage_pieces(model, 2)[index]
     tied = part.embed.weight if index == 0 else part.lm_head.weight  # type: ignore[union-attr]
 
     def summed(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

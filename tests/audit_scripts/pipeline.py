@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     coordinate, replica, pp_group, dp_mesh = pp.layout_of(args.layout)
-    module = pp.wrap(pp.pieces(pp.build_model(pp.CONFIG), 2)[coordinate], args.layout, dp_mesh)
+    module = pp.wrap(pp.stage_pieces(pp.build_model(pp.CONFIG), 2)[coordinate], args.layout, dp_mesh)
     head = pp.inner(module).lm_head
 
     def summed(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

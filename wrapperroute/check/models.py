@@ -54,3 +54,37 @@ def build_model(config: TinyConfig, seed: int = 0) -> TinyCausalLM:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return TinyCausalLM(config)
+
+
+class StagePiece(nn.Module):
+    """A pipeline stage's part of :class:`TinyCausalLM`: the embedding, some blocks, the head (read by a fused loss,
+    never called). Its forward takes token ids on the first stage, hidden states on the others."""
+
+    def __init__(self, embed: nn.Module | None = None, blocks: tuple[nn.Module, ...] = (),
+                 head: nn.Module | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.embed = embed
+        self.blocks = nn.ModuleList(blocks)
+        self.lm_head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def stage_pieces(model: TinyCausalLM, stages: int) -> list[StagePiece]:
+    """The model cut into ``stages`` parts, its own modules shared: 2 (the embedding and the first half of the
+    blocks; the rest and the head), or one per embedding, block and head."""
+    blocks = list(model.blocks)
+    if stages == 2:
+        half = len(blocks) // 2
+        return [
+            StagePiece(model.embed, tuple(blocks[:half])),
+            StagePiece(blocks=tuple(blocks[half:]), head=model.lm_head),
+        ]
+    if stages != len(blocks) + 2:
+        raise ValueError(f"{len(blocks)} blocks cut into 2 stages, or {len(blocks) + 2} (one part each); not {stages}")
+    return [StagePiece(model.embed), *(StagePiece(blocks=(block,)) for block in blocks), StagePiece(head=model.lm_head)]
