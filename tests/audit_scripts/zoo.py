@@ -22,17 +22,18 @@ def fused_ce(inner: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--setup", choices=["zero2", "hsdp", "replicate"], required=True)
+    parser.add_argument("--setup", choices=["zero2", "zero3", "hsdp", "replicate"], required=True)
     args = parser.parse_args()
     config = TinyConfig()
     model = build_model(config)
-    if args.setup == "zero2":
+    if args.setup in ("zero2", "zero3"):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
 
         deepspeed.init_distributed("gloo")
         config_ds = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
-                     "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}  # fmt: skip
+                     "zero_optimization": {"stage": int(args.setup[-1])},
+                     "zero_allow_untested_optimizer": True}  # fmt: skip
         engine, optimizer, *_ = deepspeed.initialize(
             model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), config=config_ds
         )
@@ -57,7 +58,7 @@ def main() -> None:
     for step in range(3):
         ids = torch.randint(0, config.vocab, (2, config.seq), generator=generator)
         loss = route_loss(wrapper, inner, fused_ce, inner, ids)
-        if args.setup == "zero2":
+        if args.setup in ("zero2", "zero3"):
             engine.backward(loss)
             engine.step()
         else:

@@ -119,6 +119,12 @@ def final_line(audit: Audited, script_failed: str | None = None) -> str:
             f"wrapperroute audit: FAILED, the audit's own error: {audit.failure} ({steps} step(s) audited before "
             f"it, none desynced; the script ran on unaudited; wrappers: {wrappers})"
         )
+    elif checkpoints and not any(c.compared or c.verified for c in checkpoints):
+        line = (
+            f"wrapperroute audit: in sync as far as can be seen ({steps} step(s) audited; nothing to compare or "
+            f"watch: no trainable parameter has a copy on another rank, and these wrappers' shards fail loudly when "
+            f"read outside their forward (ZeRO-3, FSDP1); wrappers: {wrappers}{_alone(audit)})"
+        )
     elif checkpoints:
         compared = max(c.compared for c in checkpoints)
         line = (
