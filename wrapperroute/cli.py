@@ -24,6 +24,7 @@ from .audit.report import strict_json
 from .check.cell import Cell, CellResult, is_exact, run_cell
 from .check.console import UsageError, cut, last_error_line, rank_env, say_stale_locks
 from .check.losses import LOSSES
+from .check.pipeline_cell import PIPELINES, Path, PipelineCase, PipelineCell, run_pipeline_cell
 from .check.wrappers import WRAPPERS, WrapperCase
 
 DEFAULT_WRAPPERS = (
@@ -31,14 +32,18 @@ DEFAULT_WRAPPERS = (
     "fsdp1_hybrid", "hsdp", "fsdp2_tail", "fsdp2_keep", "fsdp2_reshard2", "dp2_cp2",  # need 4 ranks
     "tp2_dp2", "tp2_hsdp", "tp4", "hf_tp2_fsdp2", "hf_tp4",  # need 4 ranks; the head sharded on the vocabulary
     "zero1", "zero2", "zero3",
+    "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "pp2_zbv",  # pipelines: 2 ranks
+    "pp2_dp2_fsdp2", "pp2_dp2_ddp", "pp2_tp2",  # pipelines: 4 ranks
 )  # fmt: skip
+# Every layout the check knows: the wrappers around the whole model, and the pipelines (pipeline_cell.py).
+LAYOUTS: dict[str, WrapperCase | PipelineCase] = {**WRAPPERS, **PIPELINES}
 DEFAULT_LOSSES = ("fused_ce", "backbone_ce", "liger_dpo", "liger_kto", "vocab_ce", "vocab_dpo")
 PACKAGES = ("torch", "liger-kernel", "deepspeed", "accelerate", "transformers", "trl", "peft")
 
 
 def _why_not(case: Any, nproc: int) -> str | None:
     """Why ``case`` (a wrapper or a loss) cannot run here on ``nproc`` ranks, or None."""
-    return case.unavailable(nproc) if isinstance(case, WrapperCase) else case.unavailable()
+    return case.unavailable(nproc) if isinstance(case, WrapperCase | PipelineCase) else case.unavailable()
 
 
 def _skipped(known: dict[str, Any], default: tuple[str, ...], what: str, nproc: int) -> list[str]:
@@ -68,12 +73,17 @@ def _names(value: str | None, known: dict[str, Any], default: tuple[str, ...], w
 
 # The path of the row that shows each rank's own mean where token_divisor belongs: information, never a failure.
 RANK_MEAN = "rank mean"
+# The path of the row that shows a pipeline schedule dividing each micro-batch's own mean by their number (its
+# default scale_grads=True) where PipelineLoss belongs: information, never a failure.
+SCHEDULE_MEAN = "scaled"
 
 
 def _verdict(routed: bool | str, cell: CellResult) -> str:
     exact = is_exact(cell)
     if routed == RANK_MEAN:
         return "error" if cell.error is not None else "exact" if exact else "off: what token_divisor fixes"
+    if routed == SCHEDULE_MEAN:
+        return "error" if cell.error is not None else "exact" if exact else "off: what PipelineLoss fixes"
     if routed:
         return "exact" if exact else "FAIL"
     if cell.error is not None:
@@ -110,13 +120,13 @@ def _failed_row(wrapper: str, loss: str, routed: bool | str, error: Exception) -
         "wrapper": wrapper, "loss": loss, "routed": routed, "params": 0, "differ": 0,
         "max_rank_diff": 0.0, "max_ref_diff": 0.0, "fell_back": False, "bypassed": [],
         "error": last_error_line(errors[min(errors)]),
-        "verdict": "error" if routed == RANK_MEAN else "FAIL" if routed else "crashes",
+        "verdict": "error" if routed in (RANK_MEAN, SCHEDULE_MEAN) else "FAIL" if routed else "crashes",
         "seconds": 0.0,
     }  # fmt: skip
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = f"{'wrapper':<14} {'loss':<11} {'path':<9} {'params differing':>16} {'max abs diff':>12} "
+    header = f"{'wrapper':<15} {'loss':<11} {'path':<9} {'params differing':>16} {'max abs diff':>12} "
     header += f"{'vs reference':>12}  verdict"
     lines = [header, "-" * len(header)]
     for row in rows:
@@ -129,7 +139,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         elif row["bypassed"]:
             verdict += f": {', '.join(row['bypassed'])} around the wrapper's reduction"
         path = _path(row["routed"])
-        cells = f"{row['wrapper']:<14} {row['loss']:<11} {path:<9} {differing:>16} {rank_diff:>12} {ref_diff:>12}"
+        cells = f"{row['wrapper']:<15} {row['loss']:<11} {path:<9} {differing:>16} {rank_diff:>12} {ref_diff:>12}"
         lines.append(f"{cells}  {verdict}")
     return "\n".join(lines)
 
@@ -141,9 +151,19 @@ def _path(routed: bool | str) -> str:
 def _rank_mean_cell(pairs: list[tuple[str, str]]) -> tuple[str, str, str] | None:
     """The one row showing each rank's own mean on the check's uneven batches: DDP's fused loss when selected,
     else the first pair with a token-level loss."""
-    tokens = [pair for pair in pairs if LOSSES[pair[1]].summed is not None]
+    tokens = [pair for pair in pairs if pair[0] in WRAPPERS and LOSSES[pair[1]].summed is not None]
     chosen = ("ddp", "fused_ce") if ("ddp", "fused_ce") in tokens else tokens[0] if tokens else None
     return None if chosen is None else (*chosen, RANK_MEAN)
+
+
+def _cell(wrapper: str, loss: str, routed: bool | str, args: argparse.Namespace) -> tuple[Any, Any]:
+    """What every rank runs for one row: the cell's function and its description."""
+    if wrapper in PIPELINES:  # the schedule's micro-batches are the step's: at least 2, so they can differ
+        path: Path = "scaled" if routed == SCHEDULE_MEAN else "routed" if routed else "bare"
+        return run_pipeline_cell, PipelineCell(PIPELINES[wrapper], path, args.steps, max(args.accum, 2))
+    cell = Cell(wrapper=wrapper, loss=loss, routed=bool(routed), steps=args.steps, accum=args.accum,
+                normalise="rank_mean" if routed == RANK_MEAN else "divisor")  # fmt: skip
+    return run_cell, cell
 
 
 def check(args: argparse.Namespace) -> int:
@@ -155,40 +175,42 @@ def check(args: argparse.Namespace) -> int:
         from .check.trl_report import check_trl
 
         return check_trl(args)
-    wrappers = _names(args.wrappers, WRAPPERS, DEFAULT_WRAPPERS, "wrapper", args.nproc)
+    wrappers = _names(args.wrappers, LAYOUTS, DEFAULT_WRAPPERS, "wrapper", args.nproc)
     losses = _names(args.losses, LOSSES, DEFAULT_LOSSES, "loss", args.nproc)
-    skipped = _skipped(WRAPPERS, DEFAULT_WRAPPERS, "wrapper", args.nproc) if args.wrappers is None else []
+    skipped = _skipped(LAYOUTS, DEFAULT_WRAPPERS, "wrapper", args.nproc) if args.wrappers is None else []
     skipped += _skipped(LOSSES, DEFAULT_LOSSES, "loss", args.nproc) if args.losses is None else []
     for line in skipped:
         print(line, file=sys.stderr)
     from .ranks import RankPool
 
-    pairs = [(w, loss) for w in wrappers for loss in losses if WRAPPERS[w].runs(loss)]
+    pairs = [(w, loss) for w in wrappers for loss in losses if LAYOUTS[w].runs(loss)]
     cells: list[tuple[str, str, bool | str]] = [(w, loss, routed) for w, loss in pairs for routed in (False, True)]
     if args.rank_means:  # each rank's own mean beside every token-level loss's routed cell
-        cells += [(w, loss, RANK_MEAN) for w, loss in pairs if LOSSES[loss].summed is not None]
+        cells += [(w, loss, RANK_MEAN) for w, loss in pairs if w in WRAPPERS and LOSSES[loss].summed is not None]
     elif (rank_mean := _rank_mean_cell(pairs)) is not None:
         cells.append(rank_mean)
-    left_out = sorted({w for w in wrappers if not all(WRAPPERS[w].runs(loss) for loss in losses)})
+    pipelines = [(w, loss) for w, loss in pairs if w in PIPELINES]
+    cells += [(w, loss, SCHEDULE_MEAN) for w, loss in (pipelines if args.rank_means else pipelines[:1])]
+    left_out = sorted({w for w in wrappers if not all(LAYOUTS[w].runs(loss) for loss in losses)})
     for name in left_out:
-        print(f"wrapperroute: {name} runs only the losses that read a head sharded on the vocabulary: "
-              f"{', '.join(WRAPPERS[name].losses or ())}", file=sys.stderr)  # fmt: skip
+        print(f"wrapperroute: {name} runs only {', '.join(LAYOUTS[name].losses or ())}", file=sys.stderr)
     if not cells:
-        raise UsageError("no wrapper given runs any loss given (a tensor-parallel head needs a vocab_* loss)")
+        raise UsageError(
+            "no wrapper given runs any loss given (a tensor-parallel head needs a vocab_* loss; a pipeline runs "
+            "fused_ce, or vocab_ce on a tensor-parallel head)"
+        )
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
     progress = sys.stderr
     env = rank_env(args.verbose)
     with RankPool(args.nproc, env=env) as pool:
         for index, (wrapper, loss, routed) in enumerate(cells, 1):
-            if WRAPPERS[wrapper].requires == "deepspeed":  # its first use builds a C++ op: never wait silently
+            if LAYOUTS[wrapper].requires == "deepspeed":  # its first use builds a C++ op: never wait silently
                 say_stale_locks(env)
             print(f"[{index}/{len(cells)}] {wrapper} / {loss} / {_path(routed)} ...", end="", file=progress,
                   flush=True)  # fmt: skip
-            cell = Cell(wrapper=wrapper, loss=loss, routed=bool(routed), steps=args.steps, accum=args.accum,
-                        normalise="rank_mean" if routed == RANK_MEAN else "divisor")  # fmt: skip
             try:
-                ranks = pool.run(run_cell, cell, timeout=args.timeout)
+                ranks = pool.run(*_cell(wrapper, loss, routed, args), timeout=args.timeout)
                 row = _row(wrapper, loss, routed, ranks)
             except Exception as error:  # a rank raised outside the cell, died or hung: report it, keep going
                 row = _failed_row(wrapper, loss, routed, error)

@@ -6,18 +6,16 @@ head's shard whole (``full_tensor()``) instead of routing, around FSDP2's reduce
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests folder: the stages
-
-import rankside_pipeline as pp
-
 from wrapperroute import PipelineLoss
+from wrapperroute.check import pipeline_cell as pp
+from wrapperroute.check.models import build_model, stage_pieces
+
+MICRO = 4
 
 
 def main() -> None:
@@ -29,8 +27,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    coordinate, replica, pp_group, dp_mesh = pp.layout_of(args.layout)
-    module = pp.wrap(pp.stage_pieces(pp.build_model(pp.CONFIG), 2)[coordinate], args.layout, dp_mesh)
+    where = pp.place(args.layout)
+    coordinate = where.coordinate
+    module = pp.wrap(stage_pieces(build_model(pp.CONFIG), 2)[coordinate], args.layout, where.other)
     head = pp.inner(module).lm_head
 
     def summed(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -38,17 +37,17 @@ def main() -> None:
         logits = output.flatten(0, 1) @ weight.t()
         return F.cross_entropy(logits, target.flatten(), ignore_index=pp.IGNORE, reduction="sum")
 
-    stage = PipelineStage(module, coordinate, 2, torch.device("cpu"), group=pp_group)
+    stage = PipelineStage(module, coordinate, 2, torch.device("cpu"), group=where.pp_group)
     routed = PipelineLoss(stage, summed)
 
     def bare(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return summed(output, target) / routed.divisor  # type: ignore[operator]
 
-    schedule = Schedule1F1B(stage, n_microbatches=pp.MICRO, loss_fn=bare if args.bug == "full_tensor" else routed,
+    schedule = Schedule1F1B(stage, n_microbatches=MICRO, loss_fn=bare if args.bug == "full_tensor" else routed,
                             scale_grads=False)  # fmt: skip
     optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
     for step in range(args.steps):
-        ids, labels = pp.batch(replica, step)
+        ids, labels = pp.batch(where.replica, step, MICRO)
         routed.begin_step((labels != pp.IGNORE).sum(), schedule)
         schedule.step(*((ids,) if coordinate == 0 else ()), target=labels if coordinate == 1 else None)
         if args.bug == "scale" and dist.get_rank() == 1:

@@ -130,7 +130,7 @@ def run_cell(cell: Cell) -> CellResult:
     if wrapper_case.accumulation_option is not None:  # DeepSpeed accumulates micro-batches itself
         opts.setdefault(wrapper_case.accumulation_option, cell.accum)
     wrapped = wrapper_case.build(build_model(config), opts)
-    watch = _watch(wrapped.model)
+    watch = watch_sharded(wrapped.model)
     extras = case.extras(config)
     reference = build_none(wrapped.twin if wrapped.twin is not None else build_model(config), {})
     # under tensor parallelism the ranks of one group read one batch: batches go by data-parallel replica
@@ -181,7 +181,7 @@ def run_cell(cell: Cell) -> CellResult:
     return result
 
 
-def _watch(model: Any) -> Watch | None:
+def watch_sharded(model: Any) -> Watch | None:
     """The wrapper's sharded gradients watched from now on (arrivals.py), where it assigns them itself."""
     found = detect(model)
     if found.adapter is None or found.wrapper is None:

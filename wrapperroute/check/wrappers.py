@@ -68,7 +68,7 @@ class WrapperCase:
         missing = missing_package(self.requires)
         if missing is not None:
             return missing
-        if self.cpu_torch is not None and _torch_version() < self.cpu_torch[0]:
+        if self.cpu_torch is not None and torch_version() < self.cpu_torch[0]:
             major, minor = self.cpu_torch[0]
             return f"needs torch >= {major}.{minor} on CPU ranks, this is {torch.__version__}: {self.cpu_torch[1]}"
         return None
@@ -88,7 +88,7 @@ class WrapperCase:
         return build(model, {**dict(self.defaults), **opts})
 
 
-def _torch_version() -> tuple[int, int]:
+def torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split(".")[:2]
     return int(major), int(minor)
 
