@@ -22,13 +22,14 @@ def test_check_reduced_matrix_json() -> None:
     """The JSON report, and a quiet stderr: only progress lines (DeepSpeed's log lines and torch's deprecation
     warnings from the ranks are silenced by default)."""
     has_deepspeed = importlib.util.find_spec("deepspeed") is not None
-    wrappers = "ddp,fsdp2" + (",zero2" if has_deepspeed else "")
+    wrappers = "ddp,fsdp2,pp2_1f1b" + (",zero2" if has_deepspeed else "")
     done = _cli("check", "--wrappers", wrappers, "--losses", "fused_ce", "--json")
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
     assert report["ok"] is True and report["nproc"] == 2, f"ok {report['ok']}, nproc {report['nproc']}"
     cells = {(c["wrapper"], c["routed"]): c for c in report["cells"] if c["wrapper"] != "zero2"}
-    expected = {("ddp", False), ("ddp", True), ("fsdp2", False), ("fsdp2", True), ("ddp", "rank mean")}
+    expected = {("ddp", False), ("ddp", True), ("fsdp2", False), ("fsdp2", True), ("ddp", "rank mean"),
+                ("pp2_1f1b", False), ("pp2_1f1b", True), ("pp2_1f1b", "scaled")}  # fmt: skip
     assert set(cells) == expected, f"the cells reported: {sorted(cells, key=str)}"
     routed, unrouted = cells[("ddp", True)], cells[("ddp", False)]
     assert routed["verdict"] == "exact" and routed["differ"] == 0, f"DDP routed: {routed}"
@@ -37,7 +38,13 @@ def test_check_reduced_matrix_json() -> None:
     # each rank's own mean on the same uneven batches: shown, off the global token mean, not a failure
     own_mean = cells[("ddp", "rank mean")]
     assert own_mean["verdict"] == "off: what token_divisor fixes" and own_mean["max_ref_diff"] > 1e-3, own_mean
-    total = 7 if has_deepspeed else 5
+    # a pipeline: routed exact, the bare loss on plain stages exact too (no wrapper to miss), and the schedule's
+    # scaling of each micro-batch's own mean off one process
+    assert cells[("pp2_1f1b", True)]["verdict"] == "exact", cells[("pp2_1f1b", True)]
+    assert cells[("pp2_1f1b", False)]["verdict"] == "in sync", cells[("pp2_1f1b", False)]
+    scaled = cells[("pp2_1f1b", "scaled")]
+    assert scaled["verdict"] == "off: what PipelineLoss fixes" and scaled["max_ref_diff"] > 1e-3, scaled
+    total = 10 if has_deepspeed else 8
     assert f"[{total}/{total}]" in done.stderr, f"no progress line [{total}/{total}]: {done.stderr[-2000:]}"
     noise = [line for line in done.stderr.splitlines() if line.strip() and not re.match(r"\[\d+/\d+\] ", line)]
     assert noise == [], noise
