@@ -6,10 +6,11 @@ the backbone, then the head's weight read directly. Both take the same events in
 every parameter of the two is compared, and ``check_grad_sync`` is held against the truth measured here, by an
 all-gather of every local gradient.
 
-After a forward that raised, the native twin's loop follows the wrapper's documented recovery where there is
-one (FSDP2: ``reset_iter_state()``; without it FSDP2's next forward reuses the parameters the failed forward
-gathered, measured stale after an optimizer step). The routed twin's loop calls nothing: routing repairs what
-the failed forward left. FSDP1 documents no recovery, and natively after a forward that raised it refuses
+A batch that raises (a plain forward, or the loss) is the batch a loop skips: the routed twin plays it and
+skips it, calling nothing (routing repairs what the failed forward left, keeping the step's other gradients), and
+the native twin never sees it, the truth of a run without that batch. (FSDP2's documented recovery,
+``reset_iter_state()``, drops every gradient the step had accumulated since torch 2.15, so a native twin
+following it is no truth.) FSDP1 documents no recovery, and natively after a forward that raised it refuses
 ``no_sync`` and reuses stale parameters: its sequences hold no raising event (routing through FSDP1 after one is
 held against one process instead: tests/test_run_states.py).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -108,10 +109,10 @@ class Twin:
         elif event == "plain_forward":
             self.wrapped.model(ids)  # a forward whose output is used for nothing (a probe, a metric)
         elif event == "plain_forward_raises":
-            with self.skipped(IndexError):  # a token id out of range: the batch the loop skips
+            with contextlib.suppress(IndexError):  # a token id out of range: the batch the loop skips, nothing else
                 self.wrapped.model(torch.full_like(ids, CONFIG.vocab + 3))
         elif event == "loss_raises":
-            with self.skipped(ValueError):
+            with contextlib.suppress(ValueError):
                 self.loss(ids, labels, fail=True)
         elif event == "eval":
             with torch.no_grad():
@@ -125,16 +126,6 @@ class Twin:
             self.load()
         else:
             raise ValueError(f"unknown event {event!r}")
-
-    @contextlib.contextmanager
-    def skipped(self, error: type[Exception]) -> Iterator[None]:
-        """The loop's ``except``: the batch is skipped; natively, the wrapper's documented recovery follows."""
-        try:
-            yield
-        except error:
-            reset = getattr(self.wrapped.model, "reset_iter_state", None)  # FSDP2 (torch >= 2.13)
-            if not self.routed and callable(reset):
-                reset()
 
     def save(self) -> None:
         if self.engine is not None:
@@ -194,6 +185,7 @@ def batch(seed: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 TOLERANCE = 1e-6
+RAISING = ("plain_forward_raises", "loss_raises")  # the routed twin skips the batch; the native one never sees it
 
 
 def _event_facts(wrapper: str, routed: Twin, native: Twin, event: str, ids: torch.Tensor,
@@ -202,6 +194,9 @@ def _event_facts(wrapper: str, routed: Twin, native: Twin, event: str, ids: torc
     check_grad_sync says of the routed twin beside the truth (None: sharded, nothing replicated)."""
     outcomes = []
     for twin in (routed, native):
+        if twin is native and event in RAISING:
+            outcomes.append(None)  # the batch the loop skips: the truth never saw it
+            continue
         try:
             twin.play(event, ids, labels)
             outcomes.append(None)

@@ -68,11 +68,12 @@ class FSDP2Adapter(Adapter):
             put_hooks_back(unit)
         # FSDP2's documented recovery after a forward that raised (torch >= 2.13): reshard every group and
         # clear the iteration's trackers; otherwise the root stays in FORWARD with iter_forward_root set.
+        state = wrapper._get_fsdp_state()  # type: ignore[operator]
         reset = getattr(wrapper, "reset_iter_state", None)
         if reset is not None:
-            reset()
+            with _gradients_kept(state):
+                reset()
             return
-        state = wrapper._get_fsdp_state()  # type: ignore[operator]
         ctx = state._state_ctx
         for each in ctx.all_states:  # older torch: the same by hand, without collectives
             for group in _param_groups(each):
@@ -256,6 +257,32 @@ def managed_params(units: list[nn.Module]) -> list[torch.Tensor]:
             for unit in units if _is_unit(unit)
             for group in _param_groups(unit._get_fsdp_state())  # type: ignore[operator]
             for managed in group.fsdp_params]  # fmt: skip
+
+
+@contextlib.contextmanager
+def _gradients_kept(state: Any) -> Iterator[None]:
+    """The gradient state earlier, completed backwards left, as it was after the block: each sharded gradient,
+    each unsharded leaf's gradient accumulated under ``set_requires_gradient_sync(False)``, each group's HSDP
+    partial reduction under ``set_requires_all_reduce(False)``. ``reset_iter_state`` treats the failed
+    iteration's micro-batches as lost and drops them (torch 2.13 the partial reduction, 2.15 every gradient
+    too: a routed step after a skipped batch was 0.018 off): a forward that raised before any backward of its
+    own has added nothing to them, and the batch a loop skips must leave the step's other micro-batches as
+    they were."""
+    grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+    partials: list[tuple[Any, Any]] = []
+    for each in state._state_ctx.all_states:
+        for group in _param_groups(each):
+            partials.append((group, getattr(group, "_partial_reduce_output", None)))
+            for managed in group.fsdp_params:
+                for param in (managed.sharded_param, getattr(managed, "_unsharded_param", None)):
+                    if param is not None and param.grad is not None:
+                        grads.append((param, param.grad))
+    yield
+    for param, grad in grads:
+        param.grad = grad
+    for group, partial in partials:
+        if partial is not None:
+            group._partial_reduce_output = partial
 
 
 def _param_groups(state: Any) -> list[Any]:
