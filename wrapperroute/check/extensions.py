@@ -4,7 +4,7 @@ DeepSpeed builds a C++ communication op on its first use, through torch's extens
 ``TORCH_EXTENSIONS_DIR``. Two things go wrong with one shared folder:
 
 - a build for one torch or DeepSpeed release is not a build for another, so two environments sharing the folder
-  rebuild it in turn: the default folder is keyed by the Python, torch and DeepSpeed versions;
+  rebuild it in turn: the default folder is keyed by the Python version, torch's build and DeepSpeed's version;
 - the loader takes a ``lock`` file for the length of a build (``torch.utils.file_baton.FileBaton``), and a
   process killed while building leaves it behind: every later load waits on it forever, saying nothing. A
   builder holds its lock file open, so a lock that no process holds open is stale: it is removed, and said.
@@ -32,7 +32,11 @@ def cache_env() -> dict[str, str]:
     keyed by the versions that make a build different. Folders the user set are kept as they are."""
     base = os.path.join(os.path.expanduser("~"), ".cache", "wrapperroute")
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    key = f"{python}-torch{_version('torch')}-deepspeed{_version('deepspeed')}"
+    # torch's build, not its release: a CPU and a CUDA wheel of one release (2.15.0+cpu, 2.15.0+cu132) link
+    # different libraries, and only torch.__version__ tells them apart (a wheel's metadata may say 2.15.0)
+    import torch
+
+    key = f"{python}-torch{torch.__version__}-deepspeed{_version('deepspeed')}"
     return {
         "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", os.path.join(base, "inductor")),
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(base, "torch_extensions", key)),
