@@ -235,6 +235,27 @@ def compiled_layers() -> None:
         assert forward is forward_before, f"{layout}: {type(target).__name__}.forward {forward_before}, now {forward}"
 
 
+def compiled_step_routes() -> None:
+    """A compiled training step (``torch.compile`` of a function that calls ``route_loss``): Dynamo meets
+    route_loss, which runs eagerly between its graphs; the gradients are those of the same step uncompiled,
+    identical across ranks."""
+    got = {}
+    for compiled in (False, True):
+        model = build_model(CONFIG)
+        ddp = DDP(model)
+        ids, labels = _batch(dist.get_rank())
+
+        def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return route_loss(ddp, model, fused_cross_entropy, model, ids, labels) * 2.0  # noqa: B023
+
+        (torch.compile(step, backend="eager") if compiled else step)(ids, labels).backward()
+        got[compiled] = _grads(model)
+        differ, _ = differing_across_ranks(got[compiled])
+        assert differ == 0, f"compiled={compiled}: {differ} parameters' gradients differ across ranks"
+    worst = max(float((got[True][name] - got[False][name]).abs().max()) for name in got[False])
+    assert worst == 0.0, f"the compiled step's gradients are {worst} off the eager step's"
+
+
 def saved_tensor_hooks_after(mode: str, expect: str) -> None:
     """A failed compile inside a torch.func transform must not leave saved-tensor hooks disabled (they are
     what gradient checkpointing runs on), whether the error is re-raised (``expect="crash"``) or the fallback

@@ -7,6 +7,8 @@ batch to 1e-6; the unrouted cell in the same test must differ, or the test could
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 import rankside_route_ddp
@@ -135,6 +137,19 @@ def test_stale_ddp_forward_marker_neither_skips_routing_nor_stays(pool: RankPool
 
 def test_through_compile_layers(pool: RankPool) -> None:
     pool.run(rankside_route_ddp.compiled_layers)
+
+
+def test_a_compiled_step_that_routes(pool: RankPool) -> None:
+    pool.run(rankside_route_ddp.compiled_step_routes)
+
+
+def test_importing_leaves_dynamo_unimported() -> None:
+    """Dynamo (with sympy and triton, over half a second) is imported by torch.compile, not by wrapperroute: every
+    rank of every run imports wrapperroute."""
+    probe = ("import sys, wrapperroute, wrapperroute.cli; "
+             "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
 
 
 def test_wrapper_that_replaces_the_token_is_named(pool: RankPool) -> None:

@@ -121,6 +121,13 @@ def fsdp2_api() -> Fsdp2Api:
     return Fsdp2Api(FSDPModule, MixedPrecisionPolicy, fully_shard, DTensor)
 
 
+def dynamo_disabled_lazily(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` never traced by Dynamo, as ``torch.compiler.disable(fn)``, Dynamo imported on its first call rather
+    than now (``torch._disable_dynamo``, torch's own lazy form; the eager one where a release lacks it)."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
+
+
 def ddp_forward_marker() -> Any:
     """The DDP whose forward Dynamo believes is running (its graph optimizer applies while set)."""
     from torch.nn.parallel import DistributedDataParallel

@@ -20,6 +20,7 @@ from torch import nn
 from ._routing.plan import MODES, Mode, resolve
 from ._routing.run import agree as _agree
 from ._routing.run import run as _run
+from ._torch_internals import dynamo_disabled_lazily
 
 T = TypeVar("T")
 
@@ -86,5 +87,6 @@ def route_loss(
     return result
 
 
-# route_loss swaps forwards and reads this thread's stack: eager work, never traced.
-_eager = torch.compiler.disable(route_loss)
+# route_loss swaps forwards and reads this thread's stack: eager work, never traced. (Dynamo imported on the first
+# call under it, not with this module: over half a second in every process that imports wrapperroute.)
+_eager = dynamo_disabled_lazily(route_loss)
