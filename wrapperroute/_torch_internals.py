@@ -28,6 +28,7 @@ FSDP1 ``FlatParameter`` ``_fqns`` ... (2.13 only)  the check cutting a unit's ga
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -119,6 +120,19 @@ def fsdp2_api() -> Fsdp2Api:
     except ImportError:  # torch < 2.5
         from torch.distributed._tensor import DTensor  # type: ignore[no-redef,unused-ignore]
     return Fsdp2Api(FSDPModule, MixedPrecisionPolicy, fully_shard, DTensor)
+
+
+def loaded_class(*where: str) -> Any:
+    """The class at the first of ``where`` ("module:Name") whose module is loaded already, else None: what to test a
+    module against without importing its package, since no instance of a class can exist before its module is
+    loaded (FSDP's packages import DTensor's, over half a second in every process that imports wrapperroute)."""
+    for place in where:
+        module_name, name = place.split(":")
+        module = sys.modules.get(module_name)
+        found = getattr(module, name, None) if module is not None else None
+        if found is not None:
+            return found
+    return None
 
 
 def dynamo_disabled_lazily(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel
 
 from .._groups import group_ranks
+from .._torch_internals import loaded_class
 from ._units import units_for
 from .base import NOTHING, Adapter, Averaging, Replica
 from .ddp import replicated
@@ -24,8 +24,13 @@ from .ddp import replicated
 _auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = weakref.WeakKeyDictionary()
 
 
+# FullyShardedDataParallel, read where torch.distributed.fsdp is loaded (no unit exists before it is)
+_FSDP = "torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel"
+
+
 def _is_unit(module: nn.Module) -> bool:
-    return isinstance(module, FullyShardedDataParallel)
+    fsdp = loaded_class(_FSDP)
+    return fsdp is not None and isinstance(module, fsdp)
 
 
 class FSDP1Adapter(Adapter):
@@ -35,7 +40,7 @@ class FSDP1Adapter(Adapter):
     shards = True
 
     def claims(self, module: nn.Module) -> bool:
-        return isinstance(module, FullyShardedDataParallel)
+        return _is_unit(module)
 
     def peel(self, module: nn.Module) -> nn.Module:
         inner: nn.Module = module.module  # type: ignore[assignment]

@@ -22,17 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-try:  # exported here since torch 2.6
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # torch 2.4-2.5
-    from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef,unused-ignore]
-
-try:  # torch >= 2.10: replicate() built on FSDP2 (a ReplicateModule is an FSDPModule)
-    from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
-except ImportError:
-    ReplicateModule = None  # type: ignore[assignment,misc]
-
 from .._groups import dtensor_copies
+from .._torch_internals import loaded_class
 from ._hooks import hooks_set_aside, put_hooks_back
 from ._units import units_for
 from .base import Adapter, Assigned, Averaging, Replica
@@ -40,8 +31,16 @@ from .base import Adapter, Assigned, Averaging, Replica
 _auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = weakref.WeakKeyDictionary()
 
 
+# FSDPModule (torch >= 2.6; under _composable before), and replicate() built on FSDP2 (torch >= 2.10; a
+# ReplicateModule is an FSDPModule): read where their modules are loaded, since no unit exists before they are
+_FSDP_MODULE = ("torch.distributed.fsdp._fully_shard._fully_shard:FSDPModule",
+                "torch.distributed._composable.fsdp.fully_shard:FSDPModule")  # fmt: skip
+_REPLICATE_MODULE = "torch.distributed._composable.replicate_with_fsdp:ReplicateModule"
+
+
 def _is_unit(module: nn.Module) -> bool:
-    return isinstance(module, FSDPModule)
+    unit = loaded_class(*_FSDP_MODULE)
+    return unit is not None and isinstance(module, unit)
 
 
 class FSDP2Adapter(Adapter):
@@ -51,7 +50,7 @@ class FSDP2Adapter(Adapter):
     shards = True
 
     def claims(self, module: nn.Module) -> bool:
-        return isinstance(module, FSDPModule) and not _replicates(module)
+        return _is_unit(module) and not _replicates(module)
 
     def peel(self, module: nn.Module) -> nn.Module:
         return module
@@ -204,11 +203,14 @@ def is_sharded_param(tensor: Any) -> bool:
     tensor lives: a tensor-parallel ``DTensor`` head pays that scan once."""
     key = id(tensor)
     known = _sharded_params.get(key)
+    unit_class = loaded_class(*_FSDP_MODULE)
+    if known is None and unit_class is None:
+        return False  # no FSDP2 unit can exist yet
     if known is None:
         known = any(
             managed.sharded_param is tensor
             for unit in gc.get_objects()
-            if issubclass(type(unit), FSDPModule)  # type(), not isinstance: proxies warn when asked their class
+            if issubclass(type(unit), unit_class)  # type(), not isinstance: proxies warn when asked their class
             for group in _param_groups(unit._get_fsdp_state())
             for managed in group.fsdp_params
         )
@@ -346,7 +348,8 @@ def _mesh_ranks(wrapper: nn.Module) -> tuple[int, ...]:
 
 
 def _replicates(module: nn.Module) -> bool:
-    return ReplicateModule is not None and isinstance(module, ReplicateModule)
+    replicate = loaded_class(_REPLICATE_MODULE)
+    return replicate is not None and isinstance(module, replicate)
 
 
 class ReplicateFSDPAdapter(FSDP2Adapter):
