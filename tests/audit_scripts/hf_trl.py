@@ -1,6 +1,7 @@
 """Real trainers as their users run them: ``--trainer hf`` (an HF ``Trainer`` whose ``compute_loss`` reads
 ``lm_head.weight`` itself; ``--fix`` decorates it with ``@routed``) or ``--trainer dpo`` (TRL's DPOTrainer
-with ``use_liger_kernel=True``; ``--fix`` calls ``patch_trl()`` first). A tiny Llama, built locally."""
+with ``use_liger_kernel=True``; ``--fix`` calls ``patch_trl()`` first). A tiny Llama, built locally. At the end,
+rank 0 prints how many parameters differ across the ranks, measured by gathering them: the truth."""
 
 from __future__ import annotations
 
@@ -72,6 +73,15 @@ def main() -> None:
                 processing_class=trl_cells.tokenizer(),
             )
         trainer.train()
+    # the truth the audit is held against: how many parameters differ across the ranks after training
+    differing = 0
+    for param in model.parameters():
+        local = param.detach().contiguous()
+        everyone = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(everyone, local)
+        differing += any(not torch.equal(other, everyone[0]) for other in everyone[1:])
+    if torch.distributed.get_rank() == 0:
+        print(f"truth: {differing} parameter(s) differ across ranks", flush=True)
 
 
 if __name__ == "__main__":
