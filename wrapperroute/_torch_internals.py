@@ -125,14 +125,22 @@ def fsdp2_api() -> Fsdp2Api:
 def loaded_class(*where: str) -> Any:
     """The class at the first of ``where`` ("module:Name") whose module is loaded already, else None: what to test a
     module against without importing its package, since no instance of a class can exist before its module is
-    loaded (FSDP's packages import DTensor's, over half a second in every process that imports wrapperroute)."""
+    loaded (FSDP's packages import DTensor's, over half a second in every process that imports wrapperroute).
+    Remembered once found: adapters ask on every routed call."""
+    found = _loaded.get(where)
+    if found is not None:
+        return found
     for place in where:
         module_name, name = place.split(":")
         module = sys.modules.get(module_name)
         found = getattr(module, name, None) if module is not None else None
         if found is not None:
+            _loaded[where] = found
             return found
     return None
+
+
+_loaded: dict[tuple[str, ...], Any] = {}
 
 
 def dynamo_disabled_lazily(fn: Callable[..., Any]) -> Callable[..., Any]:
