@@ -43,6 +43,8 @@ TRAINERS = {
     "dpo": (("trl",), "DPOConfig", "DPOTrainer"),
     "kto": (("trl",), "KTOConfig", "KTOTrainer"),
     "grpo": (("trl",), "GRPOConfig", "GRPOTrainer"),
+    "rloo": (("trl",), "RLOOConfig", "RLOOTrainer"),
+    "sft": (("trl",), "SFTConfig", "SFTTrainer"),
     "gkd": (("trl.experimental.gkd",), "GKDConfig", "GKDTrainer"),
     "distill": (("trl", "trl.experimental.distillation"), "DistillationConfig", "DistillationTrainer"),
     "gold": (("trl.experimental.gold",), "GOLDConfig", "GOLDTrainer"),
@@ -177,6 +179,12 @@ def _chat_rows(rows: int) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
+def _text_rows(rows: int) -> list[dict[str, str]]:
+    """Texts of 3 to 6 words: a different number of valid tokens on every rank."""
+    generator = torch.Generator().manual_seed(21)
+    return [{"text": _sentence(generator, 3 + i % 4)} for i in range(rows)]
+
+
 def _prompt_rows(rows: int) -> list[dict[str, str]]:
     generator = torch.Generator().manual_seed(33)
     return [{"prompt": _sentence(generator, 4)} for _ in range(rows)]
@@ -200,10 +208,12 @@ def _setup(trainer_name: str, folder: str, layout: str) -> tuple[list[dict[str, 
         return preference_rows(8), {}, ref
     if trainer_name == "kto":
         return _kto_rows(8), {}, ref
+    if trainer_name == "sft":
+        return _text_rows(8), {"max_length": 16}, {}
     generated: dict[str, Any] = {"num_generations": 2, "max_completion_length": 4}
     # SDPO and SDFT take the fused JSD only on full logits, unclipped
     self_distilled = generated | {"distillation_mode": "full_logits", "distillation_is_clip": None}
-    if trainer_name == "grpo":
+    if trainer_name in ("grpo", "rloo"):
         return _prompt_rows(8), generated | {"beta": 0.0}, {"reward_funcs": _reward}
     if trainer_name == "sdpo":  # every rollout a success, every teacher reprompted with one: a non-zero JSD
         config = {"loss_type": "bnpo", "success_reward_threshold": 0.0, "dont_reprompt_on_self_success": False}

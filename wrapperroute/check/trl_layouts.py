@@ -7,6 +7,11 @@
   FSDP on CPU (it keeps the multi-CPU type and wraps in DDP instead), so for the step its state is told FSDP,
   exactly as it is on a GPU machine; everything after that (``fully_shard`` of each decoder layer and the root,
   the trainer's and TRL's FSDP branches) is the installed code's own.
+- ``fsdp2_head``: the same, with the output head made an FSDP2 unit alone (``fully_shard(model.lm_head)``, the
+  layout torchtitan builds) just before accelerate's FSDP2 preparation, which leaves a module already sharded
+  as it is and groups the final norm alone. A fused head read outside its unit's forward gets such a head
+  wrong (TRL's ``add_fused_lm_head`` as installed). accelerate's size-based wrap policy, which would give the
+  same units, fails on FSDP2 (it shards the base model and then the root around it: measured, accelerate 1.16).
 - ``local``: the reference. The model is left unwrapped, so each rank trains on its own shard of the data as
   one process would; the mean of the ranks' gradients is what every data-parallel wrapper must produce.
 """
@@ -21,7 +26,7 @@ import torch
 
 from .wrap_deepspeed import zero_config
 
-LAYOUTS = ("ddp", "zero3", "fsdp2")
+LAYOUTS = ("ddp", "zero3", "fsdp2", "fsdp2_head")
 
 
 def layout_args(layout: str) -> dict[str, Any]:
@@ -30,7 +35,7 @@ def layout_args(layout: str) -> dict[str, Any]:
         config = zero_config(3)
         config.update(train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto")
         return {"deepspeed": config}
-    if layout == "fsdp2":
+    if layout.startswith("fsdp2"):
         return {"fsdp": "full_shard",
                 "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}  # fmt: skip
     return {}
@@ -85,8 +90,10 @@ def layout(name: str, probe: GradProbe) -> Iterator[None]:
     linear = torch.nn.functional.linear
     undo: list[Callable[[], None]] = []
     try:
-        if name == "fsdp2":
+        if name.startswith("fsdp2"):
             undo.append(_fsdp_on_cpu())
+        if name == "fsdp2_head":
+            undo.append(_head_unit_first())
         elif name == "zero3":
             undo.append(_grads_at_engine_step(probe))
         elif name == "local":
@@ -122,6 +129,23 @@ def _fsdp_on_cpu() -> Callable[[], None]:
 
     AcceleratorState.__init__ = fsdp_state
     return lambda: setattr(AcceleratorState, "__init__", init)
+
+
+def _head_unit_first() -> Callable[[], None]:
+    import accelerate.accelerator as module
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    prepare = module.fsdp2_prepare_model
+
+    def head_first(accelerator: Any, model: torch.nn.Module) -> Any:
+        head = model.get_output_embeddings()  # type: ignore[operator]
+        fully_shard(head, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+        return prepare(accelerator, model)
+
+    module.fsdp2_prepare_model = head_first
+    return lambda: setattr(module, "fsdp2_prepare_model", prepare)
 
 
 def _grads_at_engine_step(probe: GradProbe) -> Callable[[], None]:

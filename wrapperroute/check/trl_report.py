@@ -24,7 +24,7 @@ from .console import UsageError, cut, last_error_line, rank_env, say_stale_locks
 from .trl_cells import TRAINERS, compare_ranks, trainer_classes, trl_step
 from .trl_layouts import LAYOUTS
 
-LAYOUT_NAMES = {"ddp": "DDP", "zero3": "ZeRO-3", "fsdp2": "FSDP2"}
+LAYOUT_NAMES = {"ddp": "DDP", "zero3": "ZeRO-3", "fsdp2": "FSDP2", "fsdp2_head": "FSDP2 head unit"}
 
 
 def liger_trainers() -> tuple[str, list[str], list[str]]:
@@ -164,7 +164,8 @@ def _cell(version: str, row: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_trl_table(cells: list[dict[str, Any]]) -> str:
-    header = (f"{'trainer':<8} {'wrapper':<8} {'path':<10} {'params differing':>16} {'across ranks':>12} "
+    width = max(len(name) for name in LAYOUT_NAMES.values())
+    header = (f"{'trainer':<8} {'wrapper':<{width}} {'path':<10} {'params differing':>16} {'across ranks':>12} "
               f"{'vs reference':>12}  verdict")  # fmt: skip
     lines = [header, "-" * len(header)]
     for cell in cells:
@@ -174,7 +175,7 @@ def format_trl_table(cells: list[dict[str, Any]]) -> str:
         versus = "-" if failed or cell["ref_diff"] is None else f"{cell['ref_diff']:.2g}"
         verdict = cell["verdict"] + (f": {cut(cell['error'], 70)}" if failed else "")
         wrapper = LAYOUT_NAMES.get(cell["layout"], cell["layout"])
-        lines.append(f"{cell['trainer']:<8} {wrapper:<8} {cell['path']:<10} {differing:>16} {across:>12} "
+        lines.append(f"{cell['trainer']:<8} {wrapper:<{width}} {cell['path']:<10} {differing:>16} {across:>12} "
                      f"{versus:>12}  {verdict}")  # fmt: skip
-        lines += [f"{'':<28}{path} ({count}x)" for path, count in cell["liger_paths"].items()]
+        lines += [f"{'':<{width + 20}}{path} ({count}x)" for path, count in cell["liger_paths"].items()]
     return "\n".join(lines)

@@ -6,10 +6,12 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..detect import detect
 from ..route import Mode, route_loss
+from ._router_loss import warn_if_router_loss_dropped
 
 MISSING = object()
 
@@ -37,6 +39,11 @@ class ForwardRedirection:
         self, wrapper_module: nn.Module, original_module: nn.Module, method: Callable[..., Any], *args: Any,
         **kwargs: Any,
     ) -> Any:  # fmt: skip
+        owner = getattr(method, "__self__", None)
+        defined_in = getattr(getattr(method, "__func__", None), "__module__", None) or ""
+        if owner is not None and defined_in.startswith("trl.") and torch.is_grad_enabled():
+            # TRL redirects a loss computed from the backbone's hidden states (its chunked distillation losses)
+            warn_if_router_loss_dropped(owner, original_module, defined_in)
         found = detect(wrapper_module)
         if any(layer is original_module for layer in found.layers):
             # A partial keys route_loss's functorch fallback on ``method`` itself; a closure (only when a subclass

@@ -57,6 +57,7 @@ from ..adapters import output_embedding
 from ..detect import detect
 from ..route import Mode, route_loss
 from ._redirection import MISSING, ForwardRedirection
+from ._router_loss import warn_if_router_loss_dropped
 
 log = logging.getLogger("wrapperroute")
 
@@ -125,13 +126,17 @@ def _reads_weights(value: Any) -> bool:
 
 def _routed_compute_loss(original: Callable[..., Any], mode: Mode) -> Callable[..., Any]:
     owner = original.__qualname__.split(".")[0]
+    module_name = original.__module__
 
     @functools.wraps(original)
     def compute_loss(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        fused = _holds_fused_loss(self)
+        if fused:
+            warn_if_router_loss_dropped(self, self.accelerator.unwrap_model(model), module_name)
         if not detect(model).distributed:
             _seen(owner, "no wrapper: called as it is")
             return original(self, model, *args, **kwargs)
-        if not _holds_fused_loss(self):
+        if not fused:
             _seen(owner, "no fused Liger loss: called as it is")
             return original(self, model, *args, **kwargs)
         redirection = getattr(self, "_forward_redirection", None)
