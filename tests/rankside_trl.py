@@ -59,8 +59,7 @@ def moe_distillation_step(router_logits: bool) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from wrapperroute.check.trl_cells import (NO_TRITON, _chat_rows, _prompt_rows, tokenizer, trainer_classes,
-                                              training_args)  # fmt: skip
+    from wrapperroute.check import trl_cells as cells
     from wrapperroute.integrations import _router_loss
     from wrapperroute.integrations import trl as integration
 
@@ -78,21 +77,22 @@ def moe_distillation_step(router_logits: bool) -> dict[str, Any]:
     own = tiny_moe()
     own.config.output_router_logits = True
     aux = float(own(ids, labels=ids).aux_loss)
-    found = trainer_classes("distill")
+    found = cells.trainer_classes("distill")
     assert found is not None, "this TRL has no DistillationTrainer"
     config_cls, trainer_cls = found
     integration.unpatch_trl()
     integration.patch_trl()
     _router_loss._warned.clear()
-    rows = [prompt | chat for prompt, chat in zip(_prompt_rows(8), _chat_rows(8), strict=True)]
+    rows = [prompt | chat for prompt, chat in zip(cells._prompt_rows(8), cells._chat_rows(8), strict=True)]
     try:
         with tempfile.TemporaryDirectory() as out, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            args = training_args(config_cls, out, use_liger_kernel=True, liger_kernel_config=NO_TRITON,
+            args = cells.training_args(config_cls, out, use_liger_kernel=True, liger_kernel_config=cells.NO_TRITON,
                                  remove_unused_columns=False, top_k=1, max_completion_length=4,
                                  **({} if router_logits else {"router_aux_loss_coef": 0.0}))  # fmt: skip
-            trainer = trainer_cls(model=tiny_moe(), teacher_model=tiny_moe(), args=args,
-                                  train_dataset=Dataset.from_list(rows), processing_class=tokenizer())  # fmt: skip
+            data = Dataset.from_list(rows)
+            trainer = trainer_cls(model=tiny_moe(), teacher_model=tiny_moe(), args=args, train_dataset=data,
+                                  processing_class=cells.tokenizer())  # fmt: skip
             trainer.train()
             trainer.train()  # a second run of the same trainer: warned once, not per step
     finally:

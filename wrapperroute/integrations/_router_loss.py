@@ -32,7 +32,7 @@ def warn_if_router_loss_dropped(owner: Any, model: nn.Module, module_name: str) 
     cls = type(owner)
     if cls in _warned:
         return
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     coefficient = getattr(text, "router_aux_loss_coef", 0.0) or 0.0
     if not getattr(text, "output_router_logits", False) or not coefficient or _names_term(module_name):
