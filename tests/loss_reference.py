@@ -28,6 +28,7 @@ class Case:
     reduction: str = "mean"
     chunk_size: int | None = None
     float32: bool = False
+    statistics: bool = False  # TRL's fields without gradient: log_sum_sq_probs, mean_logits, is_top1
 
     @property
     def tolerance(self) -> float:
@@ -36,10 +37,10 @@ class Case:
 
 # Each option alone, then all of them together under each reduction and chunk size, in float64 and float32.
 ALONE = [Case(), Case(temperature=0.7), Case(softcap=2.0), Case(logit_scale=1.7), Case(bias=True),
-         Case(entropy=True), Case(label_smoothing=0.1), Case(z_loss=1e-2), Case(ignore_index=3),
+         Case(entropy=True), Case(statistics=True), Case(label_smoothing=0.1), Case(z_loss=1e-2), Case(ignore_index=3),
          Case(reduction="sum"), Case(reduction="none"), Case(chunk_size=1), Case(chunk_size=5)]  # fmt: skip
 EVERY = Case(temperature=0.7, softcap=2.0, logit_scale=1.7, bias=True, entropy=True, label_smoothing=0.1,
-             z_loss=1e-2, ignore_index=3)  # fmt: skip
+             z_loss=1e-2, ignore_index=3, statistics=True)  # fmt: skip
 COMBINED = [dataclasses.replace(EVERY, reduction=r, chunk_size=c, float32=f)
             for r in ("mean", "sum", "none") for c in (None, 5) for f in (False, True)]  # fmt: skip
 CASES = ALONE + [dataclasses.replace(case, float32=True) for case in ALONE] + COMBINED
@@ -53,6 +54,8 @@ def inputs(case: Case, rows: int, hidden_size: int, vocab: int, seed: int) -> di
     weight = torch.randn(vocab, hidden_size, generator=generator, dtype=dtype) * 0.5
     bias = torch.randn(vocab, generator=generator, dtype=dtype) if case.bias else None
     target = torch.randint(0, vocab, (rows,), generator=generator)
+    if case.statistics:  # the premise of is_top1: some targets are the most likely word, most are not
+        target[1::2] = logits(case, hidden, weight, bias)[1::2].argmax(dim=-1)
     target[:: max(1, rows // 3)] = case.ignore_index
     incoming = torch.randn(rows, generator=generator, dtype=torch.float64)
     return {"hidden": hidden, "weight": weight, "bias": bias, "target": target, "incoming": incoming,
@@ -79,6 +82,10 @@ def truth(case: Case, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     found = {"logprobs": torch.where(keep, picked, 0.0)}
     if case.entropy:
         found["entropy"] = torch.where(keep, -(log_p.exp() * log_p).sum(-1), 0.0)
+    if case.statistics:  # no gradient: TRL's fields are logged or weigh, never differentiated
+        found["log_sum_sq_probs"] = torch.where(keep, torch.logsumexp(2 * log_p, dim=-1), 0.0).detach()
+        found["mean_logits"] = torch.where(keep, z.mean(dim=-1), 0.0).detach()
+        found["is_top1"] = (keep & (z.argmax(dim=-1) == target)).double()
     ce = F.cross_entropy(z, target, ignore_index=case.ignore_index, label_smoothing=case.label_smoothing,
                          reduction=case.reduction)  # fmt: skip
     squares = torch.where(keep, torch.logsumexp(z, dim=-1).square(), 0.0) * case.z_loss
@@ -92,7 +99,13 @@ def ours(case: Case, hidden: Any, weight: Any, bias: Any, target: Any) -> dict[s
     options = {"bias": bias, "temperature": case.temperature, "softcap": case.softcap, "chunk_size": case.chunk_size,
                "logit_scale": case.logit_scale, "ignore_index": case.ignore_index}  # fmt: skip
     found: dict[str, Any] = {}
-    if case.entropy:
+    if case.statistics:
+        fields = ("entropy",) * case.entropy + ("log_sum_sq_probs", "mean_logits", "is_top1")
+        given = linear_logprobs(hidden, weight, target, outputs=fields, **options)
+        found["logprobs"] = given.pop("log_probs")
+        found.update(given)
+        found["is_top1"] = found["is_top1"].to(found["logprobs"].dtype)
+    elif case.entropy:
         found["logprobs"], found["entropy"] = linear_logprobs(hidden, weight, target, return_entropy=True, **options)
     else:
         found["logprobs"] = linear_logprobs(hidden, weight, target, **options)

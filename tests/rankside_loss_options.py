@@ -114,3 +114,17 @@ def bad_targets_raise_on_every_rank() -> dict[str, str]:
     dist.all_gather(gathered, after.detach())
     assert all(torch.equal(value, gathered[0]) for value in gathered), gathered
     return seen
+
+
+def top1_across_shards() -> list[bool]:
+    """is_top1 on a head of 10 words split over 2 ranks (words 0-4, 5-9), words 3 and 7 sharing the largest
+    logit: the first maximum sits on the other rank for target 7."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    weight = torch.full((10, 4), 0.1)
+    weight[3, 0] = weight[7, 0] = 5.0
+    head = distribute_tensor(weight, _mesh(2), [Shard(0)])
+    hidden = torch.eye(4)[[0, 0, 0, 0]]
+    found = linear_logprobs(hidden, head, torch.tensor([3, 7, 5, -100]), outputs=("is_top1",))
+    result: list[bool] = found["is_top1"].tolist()
+    return result

@@ -53,7 +53,8 @@ def test_each_option_alone_and_together(case: ref.Case) -> None:
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(
     temperature=st.floats(0.3, 3.0), softcap=st.none() | st.floats(0.5, 30.0), logit_scale=st.floats(-2.0, 2.0),
-    bias=st.booleans(), entropy=st.booleans(), label_smoothing=st.floats(0.0, 1.0), z_loss=st.floats(0.0, 0.1),
+    bias=st.booleans(), entropy=st.booleans(), statistics=st.booleans(), label_smoothing=st.floats(0.0, 1.0),
+    z_loss=st.floats(0.0, 0.1),
     ignore_index=st.sampled_from([-100, 0, 5]), reduction=st.sampled_from(["mean", "sum", "none"]),
     chunk_size=st.none() | st.integers(1, 20), rows=st.integers(3, 24), vocab=st.integers(2, 40),
 )  # fmt: skip

@@ -106,3 +106,15 @@ def test_bad_input_is_named(call: object, error: type[Exception], words: str) ->
     hidden, weight, target = _inputs()
     with pytest.raises(error, match=words):
         call(hidden, weight, target)  # type: ignore[operator]
+
+
+def test_is_top1_is_argmaxs_first_maximum() -> None:
+    """Two words share the largest logit: only the first is the top-1 word, as ``argmax`` (and TRL) say; a target
+    below them is not; an ignored token is False. The same across a vocabulary split between ranks:
+    tests/test_tensor_parallel.py::test_is_top1_across_shards."""
+    hidden = torch.eye(4)[[0, 0, 0, 0]]  # every token the same: words 3 and 7 its largest logits
+    weight = torch.full((10, 4), 0.1)
+    weight[3, 0] = weight[7, 0] = 5.0
+    target = torch.tensor([3, 7, 5, -100])
+    found = linear_logprobs(hidden, weight, target, outputs=("is_top1",))
+    assert found["is_top1"].tolist() == [True, False, False, False], found["is_top1"]

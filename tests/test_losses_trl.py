@@ -56,48 +56,55 @@ def test_logprobs_and_entropy_equal_trls(temperature: float, softcap: float | No
     assert found["trl"][2].abs().max() > 0.01  # the premise: gradients that can differ
 
 
-def test_the_example_fused_head_equals_trls() -> None:
-    """examples/trl_vocab_parallel_head.py's forward on a tiny Llama whose head is plain: the same
-    FusedCausalLMOutput as TRL's add_fused_lm_head (log-probabilities, entropy, loss) and the same gradients of
-    every parameter, within 1e-5."""
-    import copy
-    import sys
-
-    from conftest import REPO
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from trl.trainer.utils import add_fused_lm_head
-
-    sys.path.insert(0, str(REPO / "examples"))
-    from trl_vocab_parallel_head import vocab_parallel_fused_head
-
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
-    torch.manual_seed(0)
-    theirs = LlamaForCausalLM(config)
-    ours = copy.deepcopy(theirs)
-    for model in (theirs, ours):
-        add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
-    vocab_parallel_fused_head(ours, temperature=0.7)
-    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
-    labels = ids.masked_fill(torch.arange(9) < 3, -100)
-    found = {}
-    for name, model in (("ours", ours), ("theirs", theirs)):
-        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
-        (out.loss + 0.1 * out.entropy.sum()).backward()
-        found[name] = [out.loss, out.log_probs, out.entropy, *(p.grad for p in model.parameters())]
-    assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)  # unfused: TRL's own forward
-    differences = [float((a - b).abs().max()) for a, b in zip(found["ours"], found["theirs"], strict=True)]
-    assert max(differences) <= 1e-5, differences
+FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
-def test_the_example_on_a_sharded_head_gathers_nothing() -> None:
-    """The same on a head split on the vocabulary over 2 ranks: equal to TRL's path, which gathers the head
-    (``full_tensor()``), with no collective of a head shard's size of ours. Asserted in each rank."""
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_fused_head_fields_equal_trls(family: str) -> None:
+    """The fused forward patch_trl() computes a vocabulary-sharded head with, here on a plain head in one
+    process: every field of TRL's FusedCausalLMOutput (the five per-token fields, the label mask, the loss, and
+    on an MoE model asking for router logits the load-balancing loss in it) and every parameter's gradient within
+    1e-6 of TRL's own forward, for labels shifted by the forward and given shifted with ``num_items_in_batch``,
+    with TRL's temperature, softcap and logit scale read as it installed them, in float32 and cast to it."""
+    import rankside_losses_trl as body
+    from trl.trainer.utils import FusedCausalLMOutput, add_fused_lm_head
+
+    from wrapperroute.integrations._fused_head import installed_settings, vocab_parallel_forward
+
+    worst = 0.0
+    for cast in (False, True):
+        theirs = body.tiny_model(family)
+        add_fused_lm_head(theirs, temperature=0.7, cast_lm_head_to_fp32=cast, outputs=FIELDS)
+        settings = installed_settings(theirs.forward)
+        assert settings is not None and settings["logit_scale"] == body.LOGIT_SCALE, settings
+        assert settings["final_logit_softcapping"] == body.SOFTCAP, settings
+        for call in body.calls(family):
+            found = {}
+            for name in ("ours", "theirs"):
+                theirs.zero_grad()
+                if name == "ours":
+                    out = vocab_parallel_forward(theirs, FusedCausalLMOutput, settings, **call)
+                else:
+                    out = theirs(**call, fused_lm_head=True)
+                body.objective(out).backward()
+                found[name] = body.fields(out, theirs)
+            differences = body.differences(found["ours"], found["theirs"])
+            assert max(differences.values()) <= 1e-6, (family, cast, differences)
+            worst = max(worst, *differences.values())
+            assert (found["theirs"]["aux_loss"] is not None) == (family == "mixtral"), found["theirs"]["aux_loss"]
+            assert found["theirs"]["is_top1"].any() and not found["theirs"]["is_top1"].all()  # the premise
+    print(f"{family}: largest difference {worst:.1e}")  # under pytest -s
+
+
+def test_patched_fused_head_on_a_sharded_head_gathers_nothing() -> None:
+    """patch_trl() on TRL's fused head split on the vocabulary over 2 ranks (ColwiseParallel), a tiny Llama and
+    a tiny Mixtral: every field and gradient equal to TRL's own path (which gathers the head with
+    ``full_tensor()``), with no collective of a head shard's size of ours. Asserted in each rank."""
     import rankside_losses_trl
 
     from wrapperroute.ranks import RankPool
 
     with RankPool(2) as pool:
-        ranks = pool.run(rankside_losses_trl.example_on_a_sharded_head)
+        ranks = pool.run(rankside_losses_trl.patched_on_a_sharded_head)
     print(ranks[0])  # the largest difference and collective sizes, under pytest -s
     assert len(ranks) == 2

@@ -95,3 +95,9 @@ def test_bad_targets_raise_on_every_rank(pool: RankPool) -> None:
     """Two ranks, the head split between them: every rank raises (asserted in each), none hangs."""
     seen = pool.run(rlo.bad_targets_raise_on_every_rank)
     assert len(seen) == 2 and seen[0] == seen[1] and len(seen[0]) == 6, seen
+
+
+def test_is_top1_across_shards(pool: RankPool) -> None:
+    """Two words share the largest logit, one on each rank's slice: only the first is the top-1 word (argmax's,
+    TRL's), on every rank."""
+    assert pool.run(rlo.top1_across_shards) == [[True, False, False, False]] * 2

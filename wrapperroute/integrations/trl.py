@@ -29,9 +29,11 @@ Later releases install a fused LM head in the model itself (``trl.trainer.utils.
 ``model(..., fused_lm_head=True)`` runs the backbone, then reads the head's weight directly, never calling the
 head, and gathers a ``DTensor`` head with ``full_tensor()``). Inside the wrapper's forward, so DDP is armed; but on
 a head in its own FSDP2 unit, which only its own forward unshards, the gradient comes back through DTensor's
-redistribution instead of FSDP2's reduce-scatter: consistent across ranks and wrong (``wrapperroute.arrivals``).
-:func:`patch_trl` wraps that installer where the installed package has it: the forward it installs runs, with
-``fused_lm_head=True`` and gradients on, inside the forward of the FSDP2 unit holding the head.
+redistribution instead of FSDP2's reduce-scatter: consistent across ranks and wrong (``wrapperroute.arrivals``);
+and a head split on the vocabulary over tensor-parallel ranks is gathered whole at every call. :func:`patch_trl`
+wraps that installer where the installed package has it: the forward it installs runs, with
+``fused_lm_head=True`` and gradients on, inside the forward of the FSDP2 unit holding the head, and computes a
+vocabulary-sharded head from its shard (``_fused_head``).
 
 This module imports TRL only when :func:`patch_trl` runs; :class:`ForwardRedirection` never imports it.
 """
@@ -56,6 +58,7 @@ from torch import nn
 from ..adapters import output_embedding
 from ..detect import detect
 from ..route import Mode, route_loss
+from ._fused_head import SETTINGS, head_unit, installed_settings, vocab_parallel_forward, vocab_sharded
 from ._redirection import MISSING, ForwardRedirection
 from ._router_loss import warn_if_router_loss_dropped
 
@@ -211,21 +214,15 @@ def _head_gather_deferred(original: Callable[..., Any]) -> Callable[..., Any]:
     return gather_context
 
 
-def _head_unit(model: nn.Module) -> nn.Module | None:
-    """The FSDP2 unit of ``model``'s output embedding, when the head is one (alone, or grouped with others): only
-    its own forward unshards the head. None for a head in the root's group, or under any other wrapper."""
-    head = output_embedding(model)
-    if head is None or head is model:
-        return None
-    found = detect(head)
-    return head if found.kind in ("fsdp2", "replicate_fsdp") and found.wrapper is head else None
-
-
-def _fused_head_in_its_unit(original: Callable[..., Any]) -> Callable[..., Any]:
-    """TRL's ``add_fused_lm_head``, then its forward wrapped: with ``fused_lm_head=True`` and gradients on, run
-    inside the forward of the head's FSDP2 unit (``route_loss`` through that unit), where the head is unsharded and
-    its gradient goes through FSDP2's reduce-scatter. Everything else as TRL's forward: looked up on each call,
-    since FSDP is applied after TRL installs the head."""
+def _fused_head_routed(original: Callable[..., Any]) -> Callable[..., Any]:
+    """TRL's ``add_fused_lm_head``, then its forward wrapped: with ``fused_lm_head=True``, run inside the forward
+    of the head's FSDP2 unit when gradients are on (``route_loss`` through that unit), where the head is
+    unsharded and its gradient goes through FSDP2's reduce-scatter; and where the head, as that forward sees it,
+    is split on the vocabulary over tensor-parallel ranks, computed from its shard
+    (:func:`~wrapperroute.integrations._fused_head.vocab_parallel_forward`, TRL's settings as installed).
+    Everything else is TRL's forward. Looked up on each call, since FSDP and tensor parallelism are applied
+    after TRL installs the head."""
+    output_class = getattr(sys.modules.get(original.__module__), "FusedCausalLMOutput", None)
 
     @functools.wraps(original)
     def add_fused_lm_head(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -234,15 +231,30 @@ def _fused_head_in_its_unit(original: Callable[..., Any]) -> Callable[..., Any]:
         if fused is None:  # not installed as an instance forward: left as TRL made it
             _seen("add_fused_lm_head", "no instance forward installed: left alone")
             return result
+        settings = installed_settings(fused)
+
+        def head_as_read(*call_args: Any, **call_kwargs: Any) -> Any:
+            head = output_embedding(model)
+            if head is not None and vocab_sharded(head.weight):
+                if settings is not None and output_class is not None:
+                    _seen("add_fused_lm_head", "fused head computed on its vocabulary shard")
+                    return vocab_parallel_forward(model, output_class, settings, *call_args, **call_kwargs)
+                _said_once(
+                    "wrapperroute: TRL's fused LM head installed here does not keep the settings this version "
+                    f"reads ({', '.join(SETTINGS)}): a head split on the vocabulary is gathered whole on every "
+                    "rank, as TRL does (exact, at the memory and traffic of the whole head)"
+                )
+            return fused(*call_args, fused_lm_head=True, **call_kwargs)
 
         @functools.wraps(fused)
         def forward(*call_args: Any, fused_lm_head: bool = False, **call_kwargs: Any) -> Any:
-            if fused_lm_head and torch.is_grad_enabled():
-                unit = _head_unit(model)
-                if unit is not None:
-                    _seen("add_fused_lm_head", "fused head read inside its FSDP2 unit's forward")
-                    return route_loss(unit, unit, fused, *call_args, fused_lm_head=True, **call_kwargs)
-            return fused(*call_args, fused_lm_head=fused_lm_head, **call_kwargs)
+            if not fused_lm_head:
+                return fused(*call_args, fused_lm_head=False, **call_kwargs)
+            unit = head_unit(model) if torch.is_grad_enabled() else None
+            if unit is not None:
+                _seen("add_fused_lm_head", "fused head read inside its FSDP2 unit's forward")
+                return route_loss(unit, unit, head_as_read, *call_args, **call_kwargs)
+            return head_as_read(*call_args, **call_kwargs)
 
         forward.__wrapperroute_original__ = fused  # type: ignore[attr-defined]
         model.forward = forward
@@ -250,6 +262,15 @@ def _fused_head_in_its_unit(original: Callable[..., Any]) -> Callable[..., Any]:
 
     add_fused_lm_head.__wrapperroute_original__ = original  # type: ignore[attr-defined]
     return add_fused_lm_head
+
+
+_said: set[str] = set()
+
+
+def _said_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _trl_modules_holding(name: str, value: Any) -> list[Any]:
@@ -349,7 +370,7 @@ def patch_trl(mode: Mode = "isolate", forward_redirection: bool = True) -> TrlPa
     if installer is MISSING:
         notes.append(f"TRL {version} has no {_FUSED_HEAD}: no fused head in the model to patch")
     else:
-        wrapped = _fused_head_in_its_unit(installer)
+        wrapped = _fused_head_routed(installer)
         for module in _trl_modules_holding(_FUSED_HEAD, installer):
             _set(f"{module.__name__}.{_FUSED_HEAD}", module, _FUSED_HEAD, wrapped)
     if forward_redirection:

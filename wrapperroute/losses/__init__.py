@@ -103,6 +103,7 @@ def linear_logprobs(
     logit_scale: float = 1.0,
     ignore_index: int = -100,
     return_entropy: bool = False,
+    outputs: tuple[str, ...] | None = None,
     chunk_size: int | None = None,
 ) -> Any:
     """``log p(target)`` of each token under ``softmax(z)``, ``z`` TRL's logits: ``(hidden @ weight.T + bias) *
@@ -112,6 +113,12 @@ def linear_logprobs(
 
     ``return_entropy``: ``(logprobs, entropy)``, the entropy ``-sum p log p`` of the same distribution, both
     differentiable; the backward skips the entropy's terms when no gradient reaches it (logged only).
+
+    ``outputs``: the per-token fields of TRL's fused LM head instead, by its names, returned as a dict of them:
+    ``"log_probs"`` (always computed), ``"entropy"``, and, without gradient, ``"log_sum_sq_probs"`` (``log sum
+    p^2``), ``"mean_logits"`` (the mean of ``z`` over the vocabulary) and ``"is_top1"`` (the target is the
+    first most likely word, as ``argmax``); each 0 (False) where ``target == ignore_index``. Not with
+    ``return_entropy``.
 
     ``hidden`` is ``(N, H)``: plain, or a DTensor (replicated, or sharded on tokens, ``Shard(0)``: gathered over
     its mesh, and the results come back as DTensors sharded the same way, each rank its own rows, gradients
@@ -124,12 +131,33 @@ def linear_logprobs(
     logits no larger than ``hidden``, or 32 MiB of float32 where that is more). The preference losses (DPO, KTO)
     are built on these; see ``docs/tensor-parallel.md``.
     """
+    fields = _fields(outputs, return_entropy)
     call = _prepare(hidden, weight, target, bias, chunk_size, True, temperature=temperature, softcap=softcap,
-                    logit_scale=logit_scale, ignore_index=ignore_index, entropy=bool(return_entropy))  # fmt: skip
+                    logit_scale=logit_scale, ignore_index=ignore_index,
+                    **{name: True for name in fields if name != "log_probs"})  # the plan's switches: TRL's names
     found = PerToken.apply(call.hidden, call.weight, call.bias, call.target, call.plan, "logprob")
+    if outputs is not None:
+        return {name: call.tokens.give_back(found[_FIELDS.index(name)]) for name in fields}
     if return_entropy:
         return call.tokens.give_back(found[0]), call.tokens.give_back(found[1])
-    return call.tokens.give_back(found)
+    return call.tokens.give_back(found[0])
+
+
+# TRL's names for the per-token fields of its fused LM head, in PerToken's order.
+_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def _fields(outputs: Any, return_entropy: bool) -> tuple[str, ...]:
+    if outputs is None:
+        return ("log_probs", "entropy") if return_entropy else ("log_probs",)
+    if return_entropy:
+        raise RouteValueError("pass either return_entropy or outputs (with 'entropy' among them), not both")
+    if isinstance(outputs, str) or not all(isinstance(name, str) for name in outputs):
+        raise RouteValueError(f"outputs must be a tuple of field names among {_FIELDS}, got {outputs!r}")
+    unknown = [name for name in outputs if name not in _FIELDS]
+    if unknown:
+        raise RouteValueError(f"unknown output(s) {unknown}: choose among {_FIELDS}")
+    return tuple(name for name in _FIELDS if name == "log_probs" or name in outputs)
 
 
 def linear_cross_entropy(
@@ -167,7 +195,7 @@ def linear_cross_entropy(
                     label_smoothing=_number("label_smoothing", label_smoothing, 0.0, low_included=True, high=1.0),
                     z_loss=_number("z_loss", z_loss, 0.0, low_included=True))  # fmt: skip
     if reduction == "none":
-        per_token: torch.Tensor = PerToken.apply(call.hidden, call.weight, call.bias, call.target, call.plan, "loss")
+        per_token: torch.Tensor = PerToken.apply(call.hidden, call.weight, call.bias, call.target, call.plan, "loss")[0]
         return call.tokens.give_back(per_token)
     out: torch.Tensor = Summed.apply(
         call.hidden, call.weight, call.bias, call.target, call.plan, reduction == "mean", torch.is_grad_enabled()

@@ -12,12 +12,14 @@ from ._rows import Coefficients, Grads, Plan, accumulating, logits_grad, loss_co
 
 
 class PerToken(torch.autograd.Function):
-    """``log p(target)`` per token and, with ``plan.entropy``, the entropy (two outputs); or, when ``kind`` is
-    ``"loss"``, each token's cross-entropy with label smoothing and z-loss. Ignored tokens give 0 and no
-    gradient. Keeps each row's log-sum-exp (and ``E[z]`` for the entropy); the backward recomputes the logits,
-    since the gradients flowing in are only known then, a slice of the vocabulary for every token at a time (as
-    many logits as a chunk of tokens), and skips the entropy's terms when its gradient is None (the entropy
-    unused, or only logged)."""
+    """``log p(target)`` per token, or, when ``kind`` is ``"loss"``, each token's cross-entropy with label
+    smoothing and z-loss; always five outputs: that, then the entropy (``plan.entropy``, differentiable), then
+    ``log(sum p^2)``, the logits' mean and whether the target is the first most likely word (each when the plan
+    asks for it, without gradient), None where not asked. Ignored tokens give 0 (False) and no gradient. Keeps
+    each row's log-sum-exp (and ``E[z]`` for the entropy); the backward recomputes the logits, since the
+    gradients flowing in are only known then, a slice of the vocabulary for every token at a time (as many
+    logits as a chunk of tokens), and skips the entropy's terms when its gradient is None (the entropy unused,
+    or only logged)."""
 
     @staticmethod
     def forward(
@@ -31,6 +33,9 @@ class PerToken(torch.autograd.Function):
         wide_bias = None if bias is None else bias.to(dtype)
         value, lses = (torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device) for _ in range(2))
         entropy = torch.empty_like(value) if plan.entropy else None
+        log_sum_sq = torch.empty_like(value) if plan.log_sum_sq_probs else None
+        mean = torch.empty_like(value) if plan.mean_logits else None
+        top1 = torch.empty(value.shape, dtype=torch.bool, device=value.device) if plan.is_top1 else None
         for rows in plan.chunks(hidden.shape[0]):
             found = statistics(plan.logits(hidden[rows], weight, wide_bias), local[rows], plan)
             lses[rows] = found.lse
@@ -40,8 +45,10 @@ class PerToken(torch.autograd.Function):
                 value[rows] = found.lse - smoothed + plan.z_loss * found.lse.square()
             else:
                 value[rows] = found.picked - found.lse
-            if entropy is not None and found.entropy is not None:
-                entropy[rows] = found.entropy
+            for kept, computed in ((entropy, found.entropy), (log_sum_sq, found.log_sum_sq), (mean, found.mean),
+                                   (top1, found.top1)):  # fmt: skip
+                if kept is not None and computed is not None:
+                    kept[rows] = computed
         value = torch.where(keep, value, 0.0)
         expected = None
         if entropy is not None:
@@ -49,10 +56,12 @@ class PerToken(torch.autograd.Function):
             expected = lses - entropy
         ctx.save_for_backward(hidden, weight, bias, target, lses, expected)
         ctx.plan, ctx.kind = plan, kind
-        return value if entropy is None else (value, entropy)
+        extras = [None if t is None else t.masked_fill_(~keep, 0) for t in (log_sum_sq, mean, top1)]
+        ctx.mark_non_differentiable(*(t for t in extras if t is not None))
+        return value, entropy, *extras
 
     @staticmethod
-    def backward(ctx: Any, grad_value: torch.Tensor | None, grad_entropy: torch.Tensor | None = None) -> Any:
+    def backward(ctx: Any, grad_value: torch.Tensor | None, grad_entropy: torch.Tensor | None = None, *_: Any) -> Any:
         hidden, weight, bias, target, lses, expected = ctx.saved_tensors
         plan: Plan = ctx.plan
         if not any(ctx.needs_input_grad[:3]) or (grad_value is None and grad_entropy is None):

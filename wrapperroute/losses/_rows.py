@@ -52,6 +52,11 @@ class Plan:
     entropy: bool = False
     label_smoothing: float = 0.0
     z_loss: float = 0.0
+    # per-token statistics without gradient, TRL's fused head's names: log(sum p^2), the logits' mean, whether
+    # the target is the first most likely token
+    log_sum_sq_probs: bool = False
+    mean_logits: bool = False
+    is_top1: bool = False
 
     @property
     def slope(self) -> float:
@@ -94,36 +99,52 @@ class Rows:
     total: torch.Tensor  # sum of exp(z - max) over the vocabulary
     entropy: torch.Tensor | None = None
     mean: torch.Tensor | None = None  # the logits' mean over the vocabulary
+    log_sum_sq: torch.Tensor | None = None  # log(sum p^2)
+    top1: torch.Tensor | None = None  # the target's logit is the largest, and no earlier word's is as large
 
 
 def statistics(z: torch.Tensor, local: torch.Tensor, plan: Plan) -> Rows:
-    """One MAX all-reduce of the rows' maxima, one SUM all-reduce of their sums of exponentials, target logits
-    (only the slice holding the target contributes), and, when asked, sums of ``exp(z - max) * (z - max)``
-    (entropy) and of the logits (label smoothing). ``z`` is overwritten: ``exps`` is ``z`` itself, unless the
-    entropy is asked for (then ``z`` ends as the products)."""
+    """One MAX all-reduce of the rows' maxima (and, for ``is_top1``, of the largest logit before the target's
+    word), one SUM all-reduce of their sums of exponentials, target logits (only the slice holding the target
+    contributes), and, when asked, sums of ``exp(z - max) * (z - max)`` (entropy), of the logits (label smoothing,
+    mean logits) and of ``exp(z - max)^2`` (``log_sum_sq_probs``). ``z`` is overwritten: ``exps`` is ``z``
+    itself, unless the entropy is asked for (then ``z`` ends as the products)."""
     rows, width = z.shape
     mine = (local >= 0) & (local < width)
     picked = z.gather(1, local.clamp(0, max(width - 1, 0)).unsqueeze(1)).squeeze(1) if width else z.new_zeros(rows)
-    parts = [torch.where(mine, picked, 0.0)]
-    if plan.label_smoothing:
-        parts.append(z.sum(dim=1))
+    sums: dict[str, torch.Tensor] = {"picked": torch.where(mine, picked, 0.0)}
+    if plan.label_smoothing or plan.mean_logits:
+        sums["logits"] = z.sum(dim=1)
     # a rank holding no vocabulary row (more ranks than rows) contributes -inf
-    largest = z.max(dim=1).values if width else z.new_full((rows,), -math.inf)
+    maxima = [z.max(dim=1).values if width else z.new_full((rows,), -math.inf)]
+    if plan.is_top1:  # argmax's first maximum: a word before the target's as large makes it not top-1
+        before = torch.arange(width, device=z.device) < local.unsqueeze(1)
+        maxima.append(z.masked_fill(~before, -math.inf).amax(dim=1) if width else maxima[0].clone())
+    reduced = torch.stack(maxima)
     if plan.group is not None:
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=plan.group)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=plan.group)
+    largest = reduced[0]
     shifted = z.sub_(largest.unsqueeze(1))
     exps = shifted.exp() if plan.entropy else shifted.exp_()
+    if plan.log_sum_sq_probs:
+        sums["squares"] = torch.linalg.vecdot(exps, exps)
     if plan.entropy:  # in z's place: nothing reads it after; torch's sum, more accurate than a dot product's
-        parts.append(shifted.mul_(exps).sum(dim=1))
-    sums = torch.stack([exps.sum(dim=1), *parts])
+        sums["products"] = shifted.mul_(exps).sum(dim=1)
+    names = ["total", *sums]
+    stacked = torch.stack([exps.sum(dim=1), *sums.values()])
     if plan.group is not None:
-        dist.all_reduce(sums, group=plan.group)
-    total, picked = sums[0], sums[1]
-    found = Rows(largest + total.log(), picked, exps, total)
-    if plan.label_smoothing:
-        found.mean = sums[2] / plan.vocab
+        dist.all_reduce(stacked, group=plan.group)
+    summed = dict(zip(names, stacked, strict=True))
+    total = summed["total"]
+    found = Rows(largest + total.log(), summed["picked"], exps, total)
+    if "logits" in summed:
+        found.mean = summed["logits"] / plan.vocab
     if plan.entropy:
-        found.entropy = total.log() - sums[-1] / total
+        found.entropy = total.log() - summed["products"] / total
+    if plan.log_sum_sq_probs:
+        found.log_sum_sq = summed["squares"].log() - 2 * total.log()
+    if plan.is_top1:
+        found.top1 = (found.picked >= largest) & (found.picked > reduced[1])
     return found
 
 
