@@ -117,7 +117,7 @@ def patched_on_a_sharded_head() -> dict[str, Any]:
             for name, model in models.items():
                 model.zero_grad()
 
-                def step(model: Any = model) -> Any:
+                def step(model: Any = model, call: dict[str, Any] = call) -> Any:
                     out = model(**call, fused_lm_head=True)
                     objective(out).backward()
                     return out

@@ -132,9 +132,9 @@ def linear_logprobs(
     are built on these; see ``docs/tensor-parallel.md``.
     """
     fields = _fields(outputs, return_entropy)
+    switches = {name: True for name in fields if name != "log_probs"}  # the plan's fields carry TRL's names
     call = _prepare(hidden, weight, target, bias, chunk_size, True, temperature=temperature, softcap=softcap,
-                    logit_scale=logit_scale, ignore_index=ignore_index,
-                    **{name: True for name in fields if name != "log_probs"})  # the plan's switches: TRL's names
+                    logit_scale=logit_scale, ignore_index=ignore_index, **switches)  # fmt: skip
     found = PerToken.apply(call.hidden, call.weight, call.bias, call.target, call.plan, "logprob")
     if outputs is not None:
         return {name: call.tokens.give_back(found[_FIELDS.index(name)]) for name in fields}
