@@ -137,7 +137,7 @@ def test_no_false_alarm(nproc: int, script: str, args: tuple[str, ...], wrapper:
 def test_real_trainers(trainer: str, tmp_path: Path) -> None:
     """TRL's DPOTrainer with use_liger_kernel=True and an HF Trainer with a fused compute_loss, as written: the
     audit's verdict is the truth the script measures by gathering every parameter (DESYNC where they differ: the
-    HF trainer always, TRL's DPO up to 1.13, CI's pin; in sync where TRL runs the loss inside the model, 1.14
+    HF trainer always, TRL's DPO up to 1.13; in sync where TRL runs the loss inside the model, 1.14
     on). With patch_trl() / @routed: in sync, and the truth says so."""
     folder = tmp_path / "model"
     folder.mkdir()
