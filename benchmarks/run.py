@@ -79,7 +79,7 @@ def main() -> int:
     # Peak RSS is a process-wide high-water mark: one fresh pool per measurement, paths alternating, and the
     # difference of the per-path medians (allocator and import noise is a few MiB either way).
     peaks: dict[str, list[float]] = {"native": [], "routed": []}
-    for index in range(2 if args.quick else 5):
+    for index in range(1 if args.quick else 5):
         for path in ("native", "routed") if index % 2 == 0 else ("routed", "native"):
             with RankPool(2) as pool:
                 ranks = pool.run(bench_ranks.peak_rss, path, sizes[-1], 20)

@@ -57,8 +57,8 @@ def interrupt_anywhere(wrapper: str, opts: dict[str, Any]) -> None:
     """KeyboardInterrupt at every point of a routed fused-CE call where CPython could raise one, every rank at
     the same point (tests/interrupt_points.py), the call under no_grad (an evaluation step: a training forward
     interrupted after it returned is an abandoned forward, whose aftermath is the wrapper's own). After each:
-    the wrapper's between-steps state, and the next training step is exact (ZeRO-3: after every sixth, every
-    one under --long)."""
+    the wrapper's between-steps state, and the next training step is exact (ZeRO-3: after every tenth and the
+    last, every one under --long)."""
     from interrupt_points import count_points, interrupt_at
 
     wrapped, reference = build(wrapper, opts)
@@ -77,9 +77,9 @@ def interrupt_anywhere(wrapper: str, opts: dict[str, Any]) -> None:
     # forward does; after an interrupted one, recover() releases everything. Both are between-steps states: the
     # exact step after each interrupt judges.
     loose = {"sharded"} if wrapper == "zero3" else set()
-    # ZeRO-3's exact step is the dearest (a gather per parameter): after every sixth point and the last there
+    # ZeRO-3's exact step is the dearest (a gather per parameter): after every tenth point and the last there
     # (every one under --long); the wrapper's state after every one
-    every = 6 if wrapper == "zero3" and os.environ.get("WRAPPERROUTE_LONG") != "1" else 1
+    every = 10 if wrapper == "zero3" and os.environ.get("WRAPPERROUTE_LONG") != "1" else 1
     exact = 1
     for point in range(1, points + 1):
         interrupted, where = interrupt_at(point, call)
