@@ -19,6 +19,11 @@ repetitions interleaved (order alternating), the median of the per-repetition ra
     python3 benchmarks/logprob_cost.py                 # one process: vocabulary 32768, hidden 512, 2048 tokens
     python3 benchmarks/logprob_cost.py --tp 2          # and --tp 4
     python3 benchmarks/logprob_cost.py --quick         # small sizes, few repetitions: a smoke run
+    python3 benchmarks/logprob_cost.py --tp 2 --fields all   # every field TRL's fused head computes, both sides
+
+``--fields all``: both sides compute the five per-token fields TRL's fused LM head can return (log-probabilities,
+entropy, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``; DPO asks for four of them), ours through
+``linear_logprobs(..., outputs=...)``, what ``patch_trl()`` runs on a head split on the vocabulary.
 """
 
 from __future__ import annotations
@@ -94,7 +99,10 @@ def _paired(ours: Callable[[], Any], theirs: Callable[[], Any], reps: int, sync:
             "median_seconds": {name: statistics.median(values) for name, values in times.items()}}  # fmt: skip
 
 
-def measure(vocab: int, hidden_size: int, tokens: int, reps: int) -> dict[str, Any]:
+EVERY_FIELD = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def measure(vocab: int, hidden_size: int, tokens: int, reps: int, every_field: bool = False) -> dict[str, Any]:
     """On every rank (or the one process): both paths' memory, time and agreement."""
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
@@ -113,12 +121,17 @@ def measure(vocab: int, hidden_size: int, tokens: int, reps: int) -> dict[str, A
         weight = distribute_tensor(whole.detach(), mesh, [Shard(0)]).requires_grad_()
     tile = _trl_tile()
 
+    fields = EVERY_FIELD if every_field else ("entropy",)
+
     def ours(chunk: int | None = None) -> list[torch.Tensor]:
-        return list(linear_logprobs(hidden, weight, target, return_entropy=True, chunk_size=chunk))
+        if not every_field:
+            return list(linear_logprobs(hidden, weight, target, return_entropy=True, chunk_size=chunk))
+        found = linear_logprobs(hidden, weight, target, outputs=fields, chunk_size=chunk)
+        return [found["log_probs"], found["entropy"]]
 
     def theirs() -> list[torch.Tensor]:
         head = weight.full_tensor() if ranks > 1 else weight  # what TRL's fused_lm_head does with a DTensor head
-        return list(ChunkedLogProbFunction.apply(hidden, head, None, target, 1.0, tile, None, 1.0, ("entropy",))[:2])
+        return list(ChunkedLogProbFunction.apply(hidden, head, None, target, 1.0, tile, None, 1.0, fields)[:2])
 
     def step(path: Callable[[], list[torch.Tensor]]) -> Callable[[], None]:
         def run() -> None:
@@ -158,20 +171,22 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reps", type=int, help="repetitions (default 21 on one process, 7 on ranks)")
+    parser.add_argument("--fields", choices=("entropy", "all"), default="entropy",
+                        help="log-probabilities with the entropy (default), or every field of TRL's fused head")  # fmt: skip
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args()
     vocab, hidden_size, tokens = (4096, 128, 256) if args.quick else (32768, 512, 2048)
     reps = args.reps or (3 if args.quick else 21 if args.tp == 1 else 7)
     if args.tp == 1:
         torch.manual_seed(0)
-        found = measure(vocab, hidden_size, tokens, reps)
+        found = measure(vocab, hidden_size, tokens, reps, args.fields == "all")
     else:
         with RankPool(args.tp) as pool:
-            found = pool.run(measure, vocab, hidden_size, tokens, reps, timeout=3000)[0]
+            found = pool.run(measure, vocab, hidden_size, tokens, reps, args.fields == "all", timeout=3000)[0]
     import trl
 
     command = "python3 benchmarks/logprob_cost.py" + (f" --tp {args.tp}" if args.tp != 1 else "") + (
-        " --quick" if args.quick else "")  # fmt: skip
+        " --quick" if args.quick else "") + (" --fields all" if args.fields == "all" else "")  # fmt: skip
     report = {"command": command, "tp": args.tp, "vocab": vocab, "hidden": hidden_size, "tokens": tokens,
               "reps": reps, "torch": torch.__version__, "trl": trl.__version__, **found}  # fmt: skip
     mib = {
@@ -179,8 +194,9 @@ def main() -> int:
         for side, key in (("all", "peak_bytes"), ("head", "head_peak_bytes"))
     }
     ratio = found["time"]["ratio"]
-    print(f"tp={args.tp}, vocabulary {vocab}, hidden {hidden_size}, {tokens} tokens, fp32, log-probabilities + "
-          f"entropy forward and backward; TRL {trl.__version__}, vocabulary tile {found['trl_tile']}")  # fmt: skip
+    what = "every field of the fused head" if args.fields == "all" else "log-probabilities + entropy"
+    print(f"tp={args.tp}, vocabulary {vocab}, hidden {hidden_size}, {tokens} tokens, fp32, {what} forward and "
+          f"backward; TRL {trl.__version__}, vocabulary tile {found['trl_tile']}")  # fmt: skip
     print(f"peak MiB: ours {mib['all']['ours']:.1f}, TRL's {mib['all']['theirs']:.1f} "
           f"({found['peak_bytes']['ours'] / found['peak_bytes']['theirs']:.3f})")  # fmt: skip
     print(f"head-sized peak MiB: ours {mib['head']['ours']:.1f}, TRL's {mib['head']['theirs']:.1f} "
@@ -195,8 +211,8 @@ def main() -> int:
         print(f"targets' check / forward: {check['median']:.2e} ({check['p10']:.2e}-{check['p90']:.2e})")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"logprob_cost_tp{args.tp}{'_quick' if args.quick else ''}.json").write_text(json.dumps(report, indent=1)
-                                                                                        + "\n")  # fmt: skip
+    name = f"logprob_cost_tp{args.tp}{'_all' if args.fields == 'all' else ''}{'_quick' if args.quick else ''}.json"
+    (out / name).write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 

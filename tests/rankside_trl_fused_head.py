@@ -111,3 +111,73 @@ def guard_raises(patched: bool) -> str | None:
         except GradSyncError as error:
             return str(error)
     return None
+
+
+def shard_tp(model: Any, layout: str) -> Any:
+    """dp2 x tp2 on 4 ranks: the head split on the vocabulary over the tensor-parallel ranks (``ColwiseParallel``),
+    every decoder layer its own FSDP2 unit over the data-parallel ranks, the head alone in its own unit
+    (``tp_head_unit``) or in the root's group (``tp_root``). Returns the data-parallel coordinate: the ranks of
+    one tensor-parallel group see the same batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"lm_head": ColwiseParallel(use_local_output=False)})
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    if layout == "tp_head_unit":
+        fully_shard(model.lm_head, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return mesh["dp"].get_local_rank()
+
+
+def fused_head_tp_step(layout: str, patched: bool) -> dict[str, Any]:
+    """One step of TRL's fused head on a head split on the vocabulary under FSDP2 (``shard_tp``), as installed or
+    under ``patch_trl``, every field TRL computes asked for: each gradient's largest difference from one process on
+    the global batch, and the elements of every head weight ``full_tensor()`` gathered during the step (a no-grad
+    forward, as a reference model's, and the training forward and backward)."""
+    from torch.distributed.tensor import DTensor
+    from trl.trainer import utils
+
+    fields = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    if patched:
+        patch_trl()
+    try:
+        model = tiny_llama()
+        utils.add_fused_lm_head(model, outputs=fields)
+        reference = tiny_llama()
+        utils.add_fused_lm_head(reference, outputs=fields)
+    finally:
+        if patched:
+            unpatch_trl()
+    coordinate = shard_tp(model, layout)
+    head = model.lm_head
+    gathered: list[int] = []
+    full_tensor = DTensor.full_tensor
+
+    def counted(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if tensor.shape == head.weight.shape:
+            gathered.append(tensor.numel())
+        return full_tensor(tensor, *args, **kwargs)
+
+    ids, labels = batch(coordinate)
+    divisor = token_divisor(model, valid(labels))
+    DTensor.full_tensor = counted  # type: ignore[method-assign]
+    try:
+        with torch.no_grad():  # as a frozen reference model's forward
+            frozen = model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True, num_items_in_batch=divisor)
+        out.loss.backward()
+    finally:
+        DTensor.full_tensor = full_tensor  # type: ignore[method-assign]
+    assert torch.equal(frozen, out.log_probs.detach()), "the no-grad forward differs from the training one"
+    batches = [batch(c) for c in range(dist.get_world_size() // 2)]
+    total = sum(valid(labels) for _, labels in batches)
+    for ids, labels in batches:
+        reference(input_ids=ids, labels=labels, fused_lm_head=True, num_items_in_batch=total).loss.backward()
+    diffs = {}
+    for (name, param), (_, twin) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        grad = param.grad.full_tensor()  # type: ignore[union-attr]
+        diffs[name] = float((grad - twin.grad).abs().max())  # type: ignore[operator]
+    return {"diffs": diffs, "gathered": gathered}

@@ -42,3 +42,20 @@ def test_guard(pool: RankPool) -> None:
 def _said(rank: dict[str, Any]) -> str:
     worst = max(rank["diffs"], key=rank["diffs"].__getitem__)
     return f"bypassed {rank['bypassed']}, verified {rank['verified']}, worst {rank['diffs'][worst]:.3g} ({worst})"
+
+
+@pytest.mark.parametrize("layout", ["tp_head_unit", "tp_root"])
+def test_fused_head_on_a_vocabulary_sharded_head_under_fsdp2(pool4: RankPool, layout: str) -> None:
+    """dp2 x tp2: the head split on the vocabulary over the tensor-parallel ranks, FSDP2 over the data-parallel
+    ones, the head alone in its unit or in the root's group, every field TRL computes asked for. As installed,
+    TRL gathers the whole head (``full_tensor()``), and the head alone in its unit gets a wrong gradient (0.197
+    off); patched, nothing of the head's size is gathered (in a no-grad forward either, as a reference model's),
+    and every gradient is within 1e-6 of one process on the global batch."""
+    for rank in pool4.run(rankside_trl_fused_head.fused_head_tp_step, layout, False):
+        print(f"\nas installed, {layout}: gathered {rank['gathered']}, worst {max(rank['diffs'].values()):.3g}")
+        assert rank["gathered"], rank  # the premise: TRL's path gathers the head
+        # alone in its unit, read outside that unit's forward: consistent and wrong; in the root's group: exact
+        assert (rank["diffs"]["lm_head.weight"] > 1e-3) == (layout == "tp_head_unit"), rank
+    for rank in pool4.run(rankside_trl_fused_head.fused_head_tp_step, layout, True):
+        print(f"patched, {layout}: gathered {rank['gathered']}, worst {max(rank['diffs'].values()):.3g}")
+        assert rank["gathered"] == [] and max(rank["diffs"].values()) <= 1e-6, rank

@@ -52,13 +52,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..adapters import output_embedding
 from ..detect import detect
 from ..route import Mode, route_loss
-from ._fused_head import SETTINGS, head_unit, installed_settings, vocab_parallel_forward, vocab_sharded
+from . import _fused_head as fused_head
 from ._redirection import MISSING, ForwardRedirection
 from ._router_loss import warn_if_router_loss_dropped
 
@@ -216,9 +215,10 @@ def _head_gather_deferred(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _fused_head_routed(original: Callable[..., Any]) -> Callable[..., Any]:
     """TRL's ``add_fused_lm_head``, then its forward wrapped: with ``fused_lm_head=True``, run inside the forward
-    of the head's FSDP2 unit when gradients are on (``route_loss`` through that unit), where the head is
-    unsharded and its gradient goes through FSDP2's reduce-scatter; and where the head, as that forward sees it,
-    is split on the vocabulary over tensor-parallel ranks, computed from its shard
+    of the head's FSDP2 unit (``route_loss`` through that unit), where the head is unsharded and its gradient goes
+    through FSDP2's reduce-scatter; and where the head, as that forward sees it (under FSDP2 with tensor
+    parallelism, a reference model's too), is split on the vocabulary over tensor-parallel ranks, computed from
+    its shard
     (:func:`~wrapperroute.integrations._fused_head.vocab_parallel_forward`, TRL's settings as installed).
     Everything else is TRL's forward. Looked up on each call, since FSDP and tensor parallelism are applied
     after TRL installs the head."""
@@ -231,17 +231,17 @@ def _fused_head_routed(original: Callable[..., Any]) -> Callable[..., Any]:
         if fused is None:  # not installed as an instance forward: left as TRL made it
             _seen("add_fused_lm_head", "no instance forward installed: left alone")
             return result
-        settings = installed_settings(fused)
+        settings = fused_head.installed_settings(fused)
 
         def head_as_read(*call_args: Any, **call_kwargs: Any) -> Any:
             head = output_embedding(model)
-            if head is not None and vocab_sharded(head.weight):
+            if head is not None and fused_head.vocab_sharded(head.weight):
                 if settings is not None and output_class is not None:
                     _seen("add_fused_lm_head", "fused head computed on its vocabulary shard")
-                    return vocab_parallel_forward(model, output_class, settings, *call_args, **call_kwargs)
+                    return fused_head.vocab_parallel_forward(model, output_class, settings, *call_args, **call_kwargs)
                 _said_once(
-                    "wrapperroute: TRL's fused LM head installed here does not keep the settings this version "
-                    f"reads ({', '.join(SETTINGS)}): a head split on the vocabulary is gathered whole on every "
+                    "wrapperroute: TRL's fused LM head installed here does not keep the settings this version reads "
+                    f"({', '.join(fused_head.SETTINGS)}): a head split on the vocabulary is gathered whole on every "
                     "rank, as TRL does (exact, at the memory and traffic of the whole head)"
                 )
             return fused(*call_args, fused_lm_head=True, **call_kwargs)
@@ -250,10 +250,11 @@ def _fused_head_routed(original: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*call_args: Any, fused_lm_head: bool = False, **call_kwargs: Any) -> Any:
             if not fused_lm_head:
                 return fused(*call_args, fused_lm_head=False, **call_kwargs)
-            unit = head_unit(model) if torch.is_grad_enabled() else None
+            unit = fused_head.head_unit(model)
             if unit is not None:
                 _seen("add_fused_lm_head", "fused head read inside its FSDP2 unit's forward")
-                return route_loss(unit, unit, head_as_read, *call_args, **call_kwargs)
+                with fused_head.fsdp_hooks_only(unit):
+                    return route_loss(unit, unit, head_as_read, *call_args, **call_kwargs)
             return head_as_read(*call_args, **call_kwargs)
 
         forward.__wrapperroute_original__ = fused  # type: ignore[attr-defined]
