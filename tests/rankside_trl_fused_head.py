@@ -41,11 +41,16 @@ def valid(labels: torch.Tensor) -> int:
 def shard(model: Any, layout: str) -> None:
     """Every decoder layer its own FSDP2 unit; the head alone (``head_unit``; ``head_keep``: not resharding
     after forward and the embedding its own unit, what accelerate builds for a model whose final norm it does not
-    find) or in the root's group (``root``)."""
+    find) or in the root's group (``root``); prefixed ``hsdp_``, the same over a 2 x (ranks / 2) HSDP mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    ranks = dist.get_world_size()
+    # hsdp_*: replicated over 2 groups, sharded within each (4 ranks)
+    hsdp = layout.startswith("hsdp_")
+    names = ("replicate", "shard") if hsdp else ("shard",)
+    mesh = init_device_mesh("cpu", (2, ranks // 2) if hsdp else (ranks,), mesh_dim_names=names)
+    layout = layout.removeprefix("hsdp_")
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     if layout == "head_keep":

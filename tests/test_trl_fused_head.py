@@ -32,6 +32,20 @@ def test_fused_head(pool: RankPool, layout: str) -> None:
         assert max(rank["diffs"].values()) <= 1e-6, rank
 
 
+@pytest.mark.parametrize("layout", ["hsdp_head_unit", "hsdp_root"])
+def test_fused_head_under_hsdp(pool4: RankPool, layout: str) -> None:
+    """HSDP on 4 ranks (2 replicas of a 2-way shard): as installed, the head alone in its unit is bypassed and
+    wrong; patched, every gradient within 1e-6 of one process on the global batch, each through FSDP2's
+    reduction."""
+    for patched in (False, True):
+        for rank in pool4.run(rankside_trl_fused_head.fused_head_step, layout, patched):
+            print(f"\n{'patched' if patched else 'as installed'}, {layout}: {_said(rank)}")
+            if patched or layout == "hsdp_root":
+                assert not rank["bypassed"] and max(rank["diffs"].values()) <= 1e-6, rank
+            else:
+                assert rank["bypassed"] == ["lm_head.weight"] and rank["diffs"]["lm_head.weight"] > 1e-3, rank
+
+
 def test_guard(pool: RankPool) -> None:
     """guard raises from the backward of TRL's fused head as installed, on every rank; patched it is quiet."""
     for said in pool.run(rankside_trl_fused_head.guard_raises, False):
