@@ -171,8 +171,8 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reps", type=int, help="repetitions (default 21 on one process, 7 on ranks)")
-    parser.add_argument("--fields", choices=("entropy", "all"), default="entropy",
-                        help="log-probabilities with the entropy (default), or every field of TRL's fused head")  # fmt: skip
+    every = "log-probabilities with the entropy (default), or every field of TRL's fused head"
+    parser.add_argument("--fields", choices=("entropy", "all"), default="entropy", help=every)
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args()
     vocab, hidden_size, tokens = (4096, 128, 256) if args.quick else (32768, 512, 2048)
