@@ -13,16 +13,21 @@ from wrapperroute.integrations.trl import patch_trl, unpatch_trl
 VOCAB, HIDDEN, SEQ = 128, 32, 8
 
 
-def tiny_llama() -> Any:
-    """A tiny Llama built from a config (nothing downloaded), the same weights on every rank."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama(family: str = "llama") -> Any:
+    """A tiny Llama built from a config (nothing downloaded), the same weights on every rank; or (``mixtral``) a
+    tiny Mixtral asking for router logits, its load-balancing coefficient 0: that term is a statistic of the
+    whole batch, which no split of the global batch reproduces, while each token's routing is its own."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4 * SEQ,
-                         tie_word_embeddings=False)  # fmt: skip
+    common = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 4 * SEQ,
+              "tie_word_embeddings": False}  # fmt: skip
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        return LlamaForCausalLM(config)
+        if family == "mixtral":
+            return MixtralForCausalLM(MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                                                    output_router_logits=True, router_aux_loss_coef=0.0))  # fmt: skip
+        return LlamaForCausalLM(LlamaConfig(**common))
 
 
 def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,18 +65,18 @@ def shard(model: Any, layout: str) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def fused_head_step(layout: str, patched: bool) -> dict[str, Any]:
+def fused_head_step(layout: str, patched: bool, family: str = "llama") -> dict[str, Any]:
     """One step of TRL's own fused head (``add_fused_lm_head``, as installed or under ``patch_trl``) on a tiny
-    Llama under FSDP2, the loss over ``token_divisor`` (``num_items_in_batch``): what ``check_grad_sync`` saw and
-    each gradient's largest difference from one process on the global batch."""
+    Llama (or Mixtral) under FSDP2, the loss over ``token_divisor`` (``num_items_in_batch``): what
+    ``check_grad_sync`` saw and each gradient's largest difference from one process on the global batch."""
     from trl.trainer import utils
 
     if patched:
         patch_trl()
     try:
-        model = tiny_llama()
+        model = tiny_llama(family)
         utils.add_fused_lm_head(model)
-        reference = tiny_llama()
+        reference = tiny_llama(family)
         utils.add_fused_lm_head(reference)
     finally:
         if patched:
@@ -83,15 +88,22 @@ def fused_head_step(layout: str, patched: bool) -> dict[str, Any]:
     divisor = token_divisor(model, valid(labels))
     model(input_ids=ids, labels=labels, fused_lm_head=True, num_items_in_batch=divisor).loss.backward()
     report = check_grad_sync(model)
-    batches = [batch(r) for r in range(dist.get_world_size())]
-    total = sum(valid(labels) for _, labels in batches)
-    for ids, labels in batches:
+    diffs = off_one_process(model, reference, dist.get_world_size())
+    return {"bypassed": [b.name for b in report.bypassed], "verified": report.verified, "diffs": diffs}
+
+
+def off_one_process(model: Any, reference: Any, batches: int) -> dict[str, float]:
+    """Each gradient's largest difference from ``reference`` stepped in one process on the global batch (the
+    first ``batches`` batches), the loss over all their valid tokens."""
+    found = [batch(index) for index in range(batches)]
+    total = sum(valid(labels) for _, labels in found)
+    for ids, labels in found:
         reference(input_ids=ids, labels=labels, fused_lm_head=True, num_items_in_batch=total).loss.backward()
     diffs = {}
     for (name, param), (_, twin) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         grad = param.grad.full_tensor()  # type: ignore[union-attr]
         diffs[name] = float((grad - twin.grad).abs().max())  # type: ignore[operator]
-    return {"bypassed": [b.name for b in report.bypassed], "verified": report.verified, "diffs": diffs}
+    return diffs
 
 
 def guard_raises(patched: bool) -> str | None:
@@ -177,12 +189,4 @@ def fused_head_tp_step(layout: str, patched: bool) -> dict[str, Any]:
     finally:
         DTensor.full_tensor = full_tensor  # type: ignore[method-assign]
     assert torch.equal(frozen, out.log_probs.detach()), "the no-grad forward differs from the training one"
-    batches = [batch(c) for c in range(dist.get_world_size() // 2)]
-    total = sum(valid(labels) for _, labels in batches)
-    for ids, labels in batches:
-        reference(input_ids=ids, labels=labels, fused_lm_head=True, num_items_in_batch=total).loss.backward()
-    diffs = {}
-    for (name, param), (_, twin) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
-        grad = param.grad.full_tensor()  # type: ignore[union-attr]
-        diffs[name] = float((grad - twin.grad).abs().max())  # type: ignore[operator]
-    return {"diffs": diffs, "gathered": gathered}
+    return {"diffs": off_one_process(model, reference, dist.get_world_size() // 2), "gathered": gathered}

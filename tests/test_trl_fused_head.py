@@ -18,16 +18,17 @@ if not hasattr(utils, "add_fused_lm_head"):
     pytest.skip("the installed TRL has no add_fused_lm_head (TRL >= 1.16 has)", allow_module_level=True)
 
 
-@pytest.mark.parametrize("layout", ["head_unit", "head_keep", "root"])
-def test_fused_head(pool: RankPool, layout: str) -> None:
-    for rank in pool.run(rankside_trl_fused_head.fused_head_step, layout, False):
-        print(f"\nas installed, {layout}: {_said(rank)}")
+@pytest.mark.parametrize(("layout", "family"), [("head_unit", "llama"), ("head_keep", "llama"), ("root", "llama"),
+                                               ("head_unit", "mixtral")])  # fmt: skip
+def test_fused_head(pool: RankPool, layout: str, family: str) -> None:
+    for rank in pool.run(rankside_trl_fused_head.fused_head_step, layout, False, family):
+        print(f"\nas installed, {layout}, {family}: {_said(rank)}")
         if layout == "root":
             assert not rank["bypassed"] and max(rank["diffs"].values()) <= 1e-6, rank
         else:
             assert rank["bypassed"] == ["lm_head.weight"] and rank["diffs"]["lm_head.weight"] > 1e-3, rank
-    for rank in pool.run(rankside_trl_fused_head.fused_head_step, layout, True):
-        print(f"patched, {layout}: {_said(rank)}")
+    for rank in pool.run(rankside_trl_fused_head.fused_head_step, layout, True, family):
+        print(f"patched, {layout}, {family}: {_said(rank)}")
         assert not rank["bypassed"] and rank["verified"] == len(rank["diffs"]), rank
         assert max(rank["diffs"].values()) <= 1e-6, rank
 
