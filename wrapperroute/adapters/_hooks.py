@@ -92,3 +92,35 @@ def hooks_set_aside(module: nn.Module) -> Iterator[None]:
         aside.holders -= 1
         if aside.holders == 0:
             put_hooks_back(module, aside)
+
+
+# The dicts of flags keyed like the hooks (which take keyword arguments, which always run).
+_HOOK_FLAGS = ("_forward_hooks_always_called",)
+
+
+@contextlib.contextmanager
+def other_hooks_set_aside(module: nn.Module, own: set[int]) -> Iterator[None]:
+    """The module's forward hooks other than those keyed ``own`` (a wrapper's, found by its handles) set aside for
+    the block, before the module is called, and put back in their order after it, after any registered meanwhile.
+    For a wrapper entered with wrapperroute's call as its input: another library's hooks on the same module
+    (tensor parallelism's input and output layouts) would read the call as the module's input."""
+    attributes = module.__dict__
+    names = [name for name in (*_HOOK_DICTS, *_HOOK_FLAGS) if name in attributes]
+    saved = {name: dict(attributes[name]) for name in names}
+    other = {key for name in ("_forward_pre_hooks", "_forward_hooks") for key in saved.get(name, {}) if key not in own}
+    if not own or not other:
+        yield
+        return
+    try:
+        for name in names:
+            hooks = attributes[name]
+            hooks.clear()
+            hooks.update({key: value for key, value in saved[name].items() if key not in other})
+        yield
+    finally:
+        for name in names:
+            hooks = attributes[name]
+            added = {key: value for key, value in hooks.items() if key not in saved[name]}
+            hooks.clear()
+            hooks.update(saved[name])
+            hooks.update(added)

@@ -24,7 +24,7 @@ from torch import nn
 
 from .._groups import dtensor_copies
 from .._torch_internals import loaded_class
-from ._hooks import hooks_set_aside, put_hooks_back
+from ._hooks import hooks_set_aside, other_hooks_set_aside, put_hooks_back
 from ._units import units_for
 from .base import Adapter, Assigned, Averaging, Replica
 
@@ -191,6 +191,19 @@ class FSDP2Adapter(Adapter):
                 group.post_forward_mesh_info = info
             for unit in units:
                 unit.reshard()  # type: ignore[operator]
+
+
+def own_hooks_only(unit: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """The FSDP2 unit's forward hooks other than FSDP2's own set aside for the block (``other_hooks_set_aside``):
+    entered with wrapperroute's call as its input, the unit must run FSDP2's pre- and post-forward and nothing
+    else. FSDP2's are known by the handles its state keeps (a group unit's holds one per module); where it keeps
+    none, nothing is set aside."""
+    state = unit._get_fsdp_state()  # type: ignore[operator]
+    own: set[int] = set()
+    for handle in (getattr(state, "_pre_forward_hook_handle", None), getattr(state, "_post_forward_hook_handle", None)):
+        for each in getattr(handle, "handles", None) or ((handle,) if handle is not None else ()):
+            own.add(each.id)
+    return other_hooks_set_aside(unit, own)
 
 
 _sharded_params: dict[int, bool] = {}  # id(tensor) -> whether it is a sharded parameter some FSDP2 unit manages

@@ -6,7 +6,8 @@ head, and gathers a ``DTensor`` head with ``full_tensor()``:
 
 - a head in an FSDP2 unit of its own is unsharded only by that unit's forward: read outside it, its gradient
   comes back through DTensor's redistribution instead of FSDP2's reduce-scatter (consistent across ranks, and
-  wrong). :func:`head_unit` finds that unit; the fused forward then runs inside its forward.
+  wrong). :func:`head_unit` finds that unit; the fused forward then runs inside its forward, FSDP2's hooks only
+  (``adapters.fsdp2.own_hooks_only``).
 - a head split on the vocabulary over tensor-parallel ranks is exact, but the whole vocabulary is gathered on
   every rank at every call. :func:`vocab_parallel_forward` computes the same output from the shard as it is
   (:func:`wrapperroute.losses.linear_logprobs`), with the settings TRL's installer gave this model, read from
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,53 +55,6 @@ def head_unit(model: nn.Module) -> nn.Module | None:
         return None
     found = detect(head)
     return head if found.kind in ("fsdp2", "replicate_fsdp") and found.wrapper is head else None
-
-
-# A module's forward hook dicts, and the dicts of flags keyed like them (torch's ``nn.Module``).
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-               "_forward_hooks_always_called")  # fmt: skip
-
-
-@contextlib.contextmanager
-def fsdp_hooks_only(unit: nn.Module) -> Iterator[None]:
-    """The head unit's forward hooks other than FSDP2's own set aside while the fused forward is routed through
-    the unit, and put back in their order after it (after any registered meanwhile). Tensor parallelism's input
-    and output layouts (``ColwiseParallel`` on the head) are such hooks: they would take wrapperroute's call for
-    the head's input. FSDP2's are known by the handles its state keeps; where it keeps none, nothing is set
-    aside (a tensor-parallel hook then fails loudly on the call)."""
-    state = unit._get_fsdp_state()  # type: ignore[operator]
-    own = {key for handle in (getattr(state, "_pre_forward_hook_handle", None),
-                              getattr(state, "_post_forward_hook_handle", None))
-           for key in _handle_ids(handle)}  # fmt: skip
-    attributes = unit.__dict__
-    saved = {name: dict(attributes.get(name, {})) for name in _HOOK_DICTS}
-    foreign = {key for name in ("_forward_pre_hooks", "_forward_hooks") for key in saved[name] if key not in own}
-    if not own or not foreign:
-        yield
-        return
-    try:
-        for name in _HOOK_DICTS:
-            if name in attributes:
-                hooks = attributes[name]
-                hooks.clear()
-                hooks.update({key: value for key, value in saved[name].items() if key not in foreign})
-        yield
-    finally:
-        for name in _HOOK_DICTS:
-            if name in attributes:
-                hooks = attributes[name]
-                added = {key: value for key, value in hooks.items() if key not in saved[name]}
-                hooks.clear()
-                hooks.update(saved[name])
-                hooks.update(added)
-
-
-def _handle_ids(handle: Any) -> set[int]:
-    """The hook-dict keys of a ``RemovableHandle``, or of each handle a group unit's handle holds."""
-    if handle is None:
-        return set()
-    handles = getattr(handle, "handles", None)
-    return {each.id for each in handles} if handles is not None else {handle.id}
 
 
 def vocab_sharded(weight: Any) -> bool:

@@ -55,6 +55,7 @@ from typing import Any
 from torch import nn
 
 from ..adapters import output_embedding
+from ..adapters.fsdp2 import own_hooks_only
 from ..detect import detect
 from ..route import Mode, route_loss
 from . import _fused_head as fused_head
@@ -216,7 +217,9 @@ def _head_gather_deferred(original: Callable[..., Any]) -> Callable[..., Any]:
 def _fused_head_routed(original: Callable[..., Any]) -> Callable[..., Any]:
     """TRL's ``add_fused_lm_head``, then its forward wrapped: with ``fused_lm_head=True``, run inside the forward
     of the head's FSDP2 unit (``route_loss`` through that unit), where the head is unsharded and its gradient goes
-    through FSDP2's reduce-scatter; and where the head, as that forward sees it (under FSDP2 with tensor
+    through FSDP2's reduce-scatter (the head's other forward hooks, tensor parallelism's layouts, set aside
+    meanwhile: they would take wrapperroute's call for the head's input); and where the head, as that forward
+    sees it (under FSDP2 with tensor
     parallelism, a reference model's too), is split on the vocabulary over tensor-parallel ranks, computed from
     its shard
     (:func:`~wrapperroute.integrations._fused_head.vocab_parallel_forward`, TRL's settings as installed).
@@ -253,7 +256,7 @@ def _fused_head_routed(original: Callable[..., Any]) -> Callable[..., Any]:
             unit = fused_head.head_unit(model)
             if unit is not None:
                 _seen("add_fused_lm_head", "fused head read inside its FSDP2 unit's forward")
-                with fused_head.fsdp_hooks_only(unit):
+                with own_hooks_only(unit):
                     return route_loss(unit, unit, head_as_read, *call_args, **call_kwargs)
             return head_as_read(*call_args, **call_kwargs)
 
