@@ -108,6 +108,9 @@ def patched_on_a_sharded_head() -> dict[str, Any]:
                 patch_trl()
             utils.add_fused_lm_head(model, temperature=0.7, outputs=FIELDS)
         unpatch_trl()  # the model keeps the forward it was given
+        with torch.no_grad():  # generation's forward (fused_lm_head=False) is TRL's, whose is the model's own
+            logits = [model(input_ids=calls(family)[0]["input_ids"]).logits for model in (ours, theirs)]
+        assert torch.equal(*(value.full_tensor() if isinstance(value, DTensor) else value for value in logits))
         head = ours.get_output_embeddings().weight
         assert isinstance(head, DTensor) and head.to_local().shape[0] < VOCAB, head  # the premise: a shard per rank
         shard = min(VOCAB // dist.get_world_size(), head.to_local().shape[0]) * ours.config.hidden_size
