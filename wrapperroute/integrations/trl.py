@@ -32,8 +32,8 @@ a head in its own FSDP2 unit, which only its own forward unshards, the gradient 
 redistribution instead of FSDP2's reduce-scatter: consistent across ranks and wrong (``wrapperroute.arrivals``);
 and a head split on the vocabulary over tensor-parallel ranks is gathered whole at every call. :func:`patch_trl`
 wraps that installer where the installed package has it: the forward it installs runs, with
-``fused_lm_head=True`` and gradients on, inside the forward of the FSDP2 unit holding the head, and computes a
-vocabulary-sharded head from its shard (``_fused_head``).
+``fused_lm_head=True``, inside the forward of the FSDP2 unit holding the head, and computes a vocabulary-sharded
+head from its shard (``_fused_head``).
 
 This module imports TRL only when :func:`patch_trl` runs; :class:`ForwardRedirection` never imports it.
 """
@@ -215,16 +215,17 @@ def _head_gather_deferred(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _fused_head_routed(original: Callable[..., Any]) -> Callable[..., Any]:
-    """TRL's ``add_fused_lm_head``, then its forward wrapped: with ``fused_lm_head=True``, run inside the forward
-    of the head's FSDP2 unit (``route_loss`` through that unit), where the head is unsharded and its gradient goes
-    through FSDP2's reduce-scatter (the head's other forward hooks, tensor parallelism's layouts, set aside
-    meanwhile: they would take wrapperroute's call for the head's input); and where the head, as that forward
-    sees it (under FSDP2 with tensor
-    parallelism, a reference model's too), is split on the vocabulary over tensor-parallel ranks, computed from
-    its shard
-    (:func:`~wrapperroute.integrations._fused_head.vocab_parallel_forward`, TRL's settings as installed).
-    Everything else is TRL's forward. Looked up on each call, since FSDP and tensor parallelism are applied
-    after TRL installs the head."""
+    """TRL's ``add_fused_lm_head``, then its forward wrapped. With ``fused_lm_head=True``:
+
+    - run inside the forward of the head's FSDP2 unit (``route_loss`` through that unit, FSDP2's hooks only:
+      tensor parallelism's would take wrapperroute's call for the head's input), where the head is unsharded and
+      its gradient goes through FSDP2's reduce-scatter;
+    - where the head, as that forward sees it, is split on the vocabulary over tensor-parallel ranks (a reference
+      model's in a no-grad forward too), computed from its shard
+      (:func:`~wrapperroute.integrations._fused_head.vocab_parallel_forward`, TRL's settings as installed).
+
+    Everything else is TRL's forward. Looked up on each call, since FSDP and tensor parallelism are applied after
+    TRL installs the head."""
     output_class = getattr(sys.modules.get(original.__module__), "FusedCausalLMOutput", None)
 
     @functools.wraps(original)
