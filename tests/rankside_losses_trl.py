@@ -93,7 +93,8 @@ def patched_on_a_sharded_head() -> dict[str, Any]:
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
     from trl.trainer import utils
 
-    from wrapperroute.integrations.trl import liger_paths, patch_trl, unpatch_trl
+    from wrapperroute.check.trl_cells import PathsTaken
+    from wrapperroute.integrations.trl import patch_trl, unpatch_trl
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     largest, moved_most = 0.0, {"ours": 0, "theirs": 0}
@@ -114,26 +115,27 @@ def patched_on_a_sharded_head() -> dict[str, Any]:
         head = ours.get_output_embeddings().weight
         assert isinstance(head, DTensor) and head.to_local().shape[0] < VOCAB, head  # the premise: a shard per rank
         shard = min(VOCAB // dist.get_world_size(), head.to_local().shape[0]) * ours.config.hidden_size
-        liger_paths.clear()
-        for call in calls(family):
-            found, moved = {}, {}
-            for name, model in models.items():
-                model.zero_grad()
+        taken = PathsTaken()
+        with taken:
+            for call in calls(family):
+                found, moved = {}, {}
+                for name, model in models.items():
+                    model.zero_grad()
 
-                def step(model: Any = model, call: dict[str, Any] = call) -> Any:
-                    out = model(**call, fused_lm_head=True)
-                    objective(out).backward()
-                    return out
+                    def step(model: Any = model, call: dict[str, Any] = call) -> Any:
+                        out = model(**call, fused_lm_head=True)
+                        objective(out).backward()
+                        return out
 
-                moved[name], out = _gloo_sizes(step)
-                found[name] = fields(out, model)
-            assert max(moved["theirs"]) >= shard, (moved["theirs"], shard)  # the premise: TRL's path gathers it
-            assert moved["ours"] and max(moved["ours"]) < shard, (moved["ours"], shard)
-            found_differences = differences(found["ours"], found["theirs"])
-            assert max(found_differences.values()) <= 1e-6, (family, call.keys(), found_differences)
-            assert found["theirs"]["lm_head.weight.grad"].abs().max() > 0.01  # the premise: a head gradient
-            assert (found["theirs"]["aux_loss"] is not None) == (family == "mixtral")
-            largest = max(largest, *found_differences.values())
-            moved_most = {name: max(moved_most[name], *moved[name]) for name in moved}
-        assert liger_paths == {("add_fused_lm_head", "fused head computed on its vocabulary shard"): 2}, liger_paths
+                    moved[name], out = _gloo_sizes(step)
+                    found[name] = fields(out, model)
+                assert max(moved["theirs"]) >= shard, (moved["theirs"], shard)  # the premise: TRL's path gathers it
+                assert moved["ours"] and max(moved["ours"]) < shard, (moved["ours"], shard)
+                found_differences = differences(found["ours"], found["theirs"])
+                assert max(found_differences.values()) <= 1e-6, (family, call.keys(), found_differences)
+                assert found["theirs"]["lm_head.weight.grad"].abs().max() > 0.01  # the premise: a head gradient
+                assert (found["theirs"]["aux_loss"] is not None) == (family == "mixtral")
+                largest = max(largest, *found_differences.values())
+                moved_most = {name: max(moved_most[name], *moved[name]) for name in moved}
+        assert taken.counts == {"add_fused_lm_head: fused head computed on its vocabulary shard": 2}, taken.counts
     return {"largest": largest, **moved_most}

@@ -71,13 +71,15 @@ def test_read_whole_on_one_rank(one_rank: None) -> None:
     entered); FSDP2 holds the root's group whole; FSDP1 says that it does not, instead of passing over it."""
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
+    from wrapperroute.adapters import ReadWhole
+
     ddp = detect(DDP(build_model(TinyConfig())))
-    with ddp.adapter.read_whole(ddp.wrapper):  # type: ignore[union-attr,arg-type]
-        pass
+    assert not isinstance(ddp.adapter, ReadWhole), "DDP holds every weight whole: nothing to enter"
     sharded = build_model(TinyConfig())
     fully_shard(sharded)
     fsdp2 = detect(sharded)
-    with fsdp2.adapter.read_whole(sharded):  # type: ignore[union-attr]
+    assert isinstance(fsdp2.adapter, ReadWhole), fsdp2
+    with fsdp2.adapter.read_whole(sharded):
         # unsharded: the plain parameter, not a DTensor
         assert type(sharded.embed.weight) is nn.Parameter, f"inside read_whole: a {type(sharded.embed.weight)}"
         shape = sharded.embed(torch.zeros(1, 2, dtype=torch.long)).shape
@@ -85,7 +87,8 @@ def test_read_whole_on_one_rank(one_rank: None) -> None:
     # resharded on the way out
     assert type(sharded.embed.weight).__name__ == "DTensor", f"after read_whole: a {type(sharded.embed.weight)}"
     fsdp1 = detect(FullyShardedDataParallel(build_model(TinyConfig()), device_id=torch.device("cpu")))
-    with pytest.warns(RuntimeWarning, match="frozen FSDP1 model"), fsdp1.adapter.read_whole(fsdp1.wrapper):  # type: ignore[union-attr,arg-type]
+    assert isinstance(fsdp1.adapter, ReadWhole) and fsdp1.wrapper is not None, fsdp1
+    with pytest.warns(RuntimeWarning, match="frozen FSDP1 model"), fsdp1.adapter.read_whole(fsdp1.wrapper):
         pass
 
 

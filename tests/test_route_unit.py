@@ -98,36 +98,41 @@ def test_graph_optimizer_failure_is_recognised_through_the_chain() -> None:
     assert not _is_graph_optimizer_failure(RuntimeError("shape mismatch")), "a shape mismatch taken for one"
 
 
-def test_fast_path_facts_match_what_the_adapters_do() -> None:
-    """route_loss and the audit trust each adapter's class facts instead of asking: one that says it picks no
-    units must not override the two methods its fast path skips; one that marks no forward must not override
-    in_forward or repair; one that isolates must have an around_loss of its own to isolate with; one whose gradient
-    sync is armed in its forward says when it syncs; one that says it does not shard names its replicas. A layer
-    that is only peeled has no routing verb at all."""
+def test_each_wrapper_family_has_the_capabilities_its_wrapper_needs() -> None:
+    """What each built-in adapter is, by the protocols it has: the table docs/mechanism.md gives. A capability
+    dropped by mistake would skip its verbs silently (the functorch fallback under replicate, the hooks set aside
+    under FSDP2), so the table is pinned here; that each one's verbs exist, the abstract classes and mypy see to."""
     import importlib
     import importlib.util
 
-    from wrapperroute.adapters import registered
-    from wrapperroute.adapters.base import NOTHING, Adapter
+    from wrapperroute.adapters import (
+        ArmsInForward,
+        AroundLoss,
+        Isolating,
+        ReadWhole,
+        Routing,
+        ShardUnits,
+        Topology,
+        registered,
+    )
 
-    for package in ("deepspeed", "peft", "lightning"):  # their adapters register once the package is imported
+    for package in ("deepspeed", "peft", "lightning"):  # their adapters are made once the package is imported
         if importlib.util.find_spec(package) is not None:
             importlib.import_module(package)
-    for adapter in registered():
-        kind = type(adapter)
-        if not isinstance(adapter, Adapter):
-            assert not adapter.distributed and not hasattr(adapter, "around_loss"), kind
-            continue
-        if kind.marks_forward is Adapter.marks_forward:  # marks nothing: route_loss never asks the other two
-            assert kind.repair is Adapter.repair and kind.in_forward is Adapter.in_forward, kind
-        if adapter.isolates:
-            assert kind.around_loss is not Adapter.around_loss, kind
-        if adapter.arms_in_forward:
-            assert kind.syncs_gradients is not Adapter.syncs_gradients, kind
-        if adapter.distributed and not adapter.shards:
-            assert kind.replicas is not Adapter.replicas, kind  # the default says every parameter is sharded
-        if kind.around_loss is Adapter.around_loss:  # the plan asks once; the base answers NOTHING
-            assert adapter.around_loss(torch.nn.Linear(1, 1), isolate=False, gather=()) is NOTHING, kind
-        if not adapter.picks_units:
-            assert kind.validate_gather is Adapter.validate_gather, kind
-            assert kind.nested_units is Adapter.nested_units, kind
+    expected = {
+        "compile": set(),
+        "peft": set(),
+        "fabric": {Routing},
+        "ddp": {Routing, Topology, Isolating, ArmsInForward},
+        "replicate": {Routing, Topology, AroundLoss, Isolating, ArmsInForward},
+        "fsdp1": {Routing, Topology, ShardUnits, ReadWhole},
+        "fsdp2": {Routing, Topology, AroundLoss, ShardUnits, ReadWhole},
+        "replicate_fsdp": {Routing, Topology, AroundLoss, ShardUnits, ReadWhole},
+        "deepspeed": {Routing, Topology, AroundLoss, ReadWhole},
+    }
+    protocols = (Routing, Topology, AroundLoss, Isolating, ShardUnits, ArmsInForward, ReadWhole)
+    found = {adapter.kind: {p for p in protocols if isinstance(adapter, p)} for adapter in registered()}
+    for kind, has in found.items():
+        if kind in expected:
+            assert has == expected[kind], f"{kind}: has {sorted(p.__name__ for p in has)}"
+    assert {"compile", "ddp", "replicate", "fsdp1", "fsdp2", "replicate_fsdp"} <= set(found), sorted(found)

@@ -9,11 +9,13 @@ Public surface::
     guard(model)                                         # raise when a DDP backward was never armed
     token_divisor(model, count)                          # divide a summed loss by it: the global token mean
     PipelineLoss(stages, summed)                         # a pipeline schedule's loss_fn on its last stage
+    register_adapter(adapter)                            # teach it a wrapper of your own (wrapperroute.adapters)
 """
 
 from __future__ import annotations
 
 from ._tensor_parallel import TensorParallel
+from .adapters import register_adapter
 from .decorators import routed
 from .detect import Detection, detect
 from .diagnostics import SyncReport, check_grad_sync, guard
@@ -48,6 +50,7 @@ __all__ = [
     "check_grad_sync",
     "detect",
     "guard",
+    "register_adapter",
     "route_loss",
     "routed",
     "token_divisor",

@@ -18,7 +18,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["collective_device", "dtensor_copies", "group_ranks", "made_side_group", "side_group"]
+__all__ = [
+    "collective_device", "dtensor_copies", "group_ranks", "initialized", "made_side_group", "side_group", "world_size",
+]  # fmt: skip
+
+
+def initialized() -> bool:
+    """Whether a default process group exists (not before ``init_process_group``, nor after it is destroyed, nor in
+    a torch built without ``torch.distributed``)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    """How many ranks the default process group runs; 1 with none."""
+    return dist.get_world_size() if initialized() else 1
 
 
 _side_groups: dict[tuple[tuple[int, ...] | None, str | None], Any] = {}

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from ._groups import group_ranks
-from .adapters import output_embedding
+from ._head import output_embedding
 
 
 @dataclass(frozen=True)

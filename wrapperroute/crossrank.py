@@ -33,7 +33,7 @@ from ._groups import collective_device
 from ._torch_internals import foreach_norm
 
 if TYPE_CHECKING:
-    from .adapters.base import Replica
+    from .adapters import Replica
 
 __all__ = [
     "Exchange",

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
+from ._groups import world_size
 from ._tensor_parallel import TensorParallel, tensor_parallel_layout
-from .adapters import Adapter, Layer, registered
+from .adapters import Layer, Routing, Topology, modules_being_called, registered
+from .adapters.registry import on_change
 from .errors import RouteTypeError
 
 _MAX_LAYERS = 32  # a chain deeper than this is a cycle, not a model
@@ -18,6 +21,7 @@ _MAX_LAYERS = 32  # a chain deeper than this is a cycle, not a model
 # being claimed later (a DeepSpeedEngine type does not exist before deepspeed is imported, and fully_shard
 # gives the module a new class). This keeps route_loss on a plain module within a microsecond of calling fn.
 plain_types: set[type] = set()
+on_change(plain_types.clear)  # an adapter registered since may claim one
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,9 @@ class Detection:
     wrapper: nn.Module | None = field(repr=False)
     inner: nn.Module = field(repr=False)
     details: dict[str, Any] = field(default_factory=dict)
-    adapter: Adapter | None = field(default=None, repr=False, compare=False)
+    adapter: Topology | None = field(default=None, repr=False, compare=False)
     entry: nn.Module | None = field(default=None, repr=False, compare=False)
-    entry_adapter: Adapter | None = field(default=None, repr=False, compare=False)
+    entry_adapter: Routing | None = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
         return f"Detection(kind={self.kind!r}, chain={self.chain!r}, details={self.details!r})"
@@ -104,9 +108,9 @@ def detect(model: nn.Module) -> Detection:
     known = registered()
     peeled: list[Peeled] = []
     wrapper: nn.Module | None = None
-    wrapper_adapter: Adapter | None = None
+    wrapper_adapter: Topology | None = None
     entry: nn.Module | None = None
-    entry_adapter: Adapter | None = None
+    entry_adapter: Routing | None = None
     module = model
     applied: set[tuple[int, int]] = set()  # (id(adapter), id(module)): FSDP2 peels to the same object
     while len(peeled) < _MAX_LAYERS and type(module) not in plain_types:
@@ -115,10 +119,10 @@ def detect(model: nn.Module) -> Detection:
             if key not in applied and layer.claims(module):
                 applied.add(key)
                 peeled.append(Peeled(module, layer))
-                if isinstance(layer, Adapter) and wrapper is None:
-                    if layer.distributed:
+                if wrapper is None:
+                    if isinstance(layer, Topology):
                         wrapper, wrapper_adapter = module, layer
-                    elif layer.enters and entry is None:  # only a layer outside the wrapper
+                    elif isinstance(layer, Routing) and entry is None:  # only a layer entered outside the wrapper
                         entry, entry_adapter = module, layer
                 module = layer.peel(module)
                 break
@@ -129,8 +133,32 @@ def detect(model: nn.Module) -> Detection:
     peeled.append(Peeled(module, None))
     if wrapper is None or wrapper_adapter is None:
         return Detection("none", tuple(peeled), None, module, {}, None, entry, entry_adapter)
-    if entry is None:
+    if entry is None and isinstance(wrapper_adapter, Routing):
         entry, entry_adapter = wrapper, wrapper_adapter
     details = wrapper_adapter.describe(wrapper)
     return Detection(wrapper_adapter.kind, tuple(peeled), wrapper, module, details, wrapper_adapter, entry,
                      entry_adapter)  # fmt: skip
+
+
+def enclosing_wrapper(model: nn.Module) -> nn.Module | None:
+    """The distributed wrapper whose forward this thread is running and that contains ``model``, or None."""
+    distributed = [adapter for adapter in registered() if isinstance(adapter, Topology)]
+    for module in modules_being_called(sys._getframe(1)):
+        if (
+            module is not model
+            and any(adapter.claims(module) for adapter in distributed)
+            and any(sub is model for sub in module.modules())
+        ):
+            return module
+    return None
+
+
+def trains_alone(model: nn.Module, found: Detection) -> bool:
+    """Whether ``model``, on which ``found`` shows no distributed wrapper, may be training a copy of its own on each
+    rank: several ranks run, it has trainable parameters, and it is not a tensor-parallel model whose mesh spans
+    every rank (whose ranks hold slices of one model, not replicas)."""
+    world = world_size()
+    if world < 2 or not any(p.requires_grad for p in model.parameters()):
+        return False
+    layout = found.tensor_parallel
+    return layout is None or not set(layout.mesh_ranks) >= set(range(world))

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._groups import dtensor_copies, group_ranks
+from ._groups import dtensor_copies, group_ranks, initialized
 from ._torch_internals import at_end_of_backward
-from .adapters.base import Adapter, Replica
+from .adapters import ArmsInForward, Replica, Topology
 from .arrivals import Arrivals, Bypass, Watch, agree
 from .crossrank import Row, compare, local_part
 from .detect import detect
@@ -88,7 +88,7 @@ def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None,
     one rank and finite on another differs; NaN identical on every rank does not, and is listed in
     ``nonfinite``. A parameter with no gradient counts as zeros.
     """
-    if not dist.is_available() or not dist.is_initialized():
+    if not initialized():
         raise RouteStateError(
             "check_grad_sync needs an initialised process group (torch.distributed.init_process_group); "
             "in a single process there is nothing to compare"
@@ -130,7 +130,7 @@ def check_grad_sync(model: nn.Module, *, group: dist.ProcessGroup | None = None,
     )
 
 
-def _arrivals(adapter: Adapter | None, wrapper: nn.Module | None, group: Any) -> tuple[Arrivals, str]:
+def _arrivals(adapter: Topology | None, wrapper: nn.Module | None, group: Any) -> tuple[Arrivals, str]:
     """How the wrapper's sharded gradients arrived since the last call, agreed over ``group`` (a collective, where
     the wrapper assigns such gradients: every rank holds the same model), and what the watch could not see yet."""
     assigned = adapter.assigned_gradients(wrapper) if adapter is not None and wrapper is not None else None
@@ -180,8 +180,12 @@ def guard(model: nn.Module, on_error: Literal["raise", "warn"] = "raise") -> Ite
         raise RouteValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
     found = detect(model)
     adapter, wrapper = found.adapter, found.wrapper
-    assigned = adapter.assigned_gradients(wrapper) if adapter is not None and wrapper is not None else None
-    if adapter is None or wrapper is None or (not adapter.arms_in_forward and assigned is None):
+    if adapter is None or wrapper is None:
+        yield
+        return
+    armed_in_forward = adapter if isinstance(adapter, ArmsInForward) else None
+    assigned = adapter.assigned_gradients(wrapper)
+    if armed_in_forward is None and assigned is None:
         yield
         return
     state = {"armed": False, "checked": False}  # armed: forward ran since the last backward
@@ -204,10 +208,10 @@ def guard(model: nn.Module, on_error: Literal["raise", "warn"] = "raise") -> Ite
         if torch.is_grad_enabled():
             state["armed"] = True
 
-    def on_grad(param: torch.Tensor) -> None:
+    def on_grad(armed: ArmsInForward, param: torch.Tensor) -> None:
         if state["checked"]:  # once per backward
             return
-        if state["armed"] or not adapter.syncs_gradients(wrapper):
+        if state["armed"] or not armed.syncs_gradients(wrapper):
             state["checked"] = True
             at_end_of_backward(reset)
             return
@@ -226,9 +230,11 @@ def guard(model: nn.Module, on_error: Literal["raise", "warn"] = "raise") -> Ite
         )
 
     handles: list[Any] = []
-    if adapter.arms_in_forward:
+    if armed_in_forward is not None:
+        on_armed_grad = functools.partial(on_grad, armed_in_forward)
         handles.append(wrapper.register_forward_hook(on_forward))
-        handles += [p.register_post_accumulate_grad_hook(on_grad) for p in wrapper.parameters() if p.requires_grad]
+        handles += [p.register_post_accumulate_grad_hook(on_armed_grad) for p in wrapper.parameters()
+                    if p.requires_grad]  # fmt: skip
     if assigned is not None:
         handles += [param.register_hook(functools.partial(on_bypass, name, assigned.reduction))
                     for name, param in assigned.params]  # fmt: skip

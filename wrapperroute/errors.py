@@ -7,6 +7,9 @@ problem), so ``except TypeError`` keeps working in code that predates this libra
 
 from __future__ import annotations
 
+import os
+import sys
+
 
 class WrapperRouteError(Exception):
     """Base class of every error raised by wrapperroute."""
@@ -32,3 +35,15 @@ class UnroutedModelWarning(UserWarning):
     """``route_loss`` found no distributed wrapper on a model with trainable parameters while several ranks run:
     nothing it can see synchronises that model's gradients. Filter it (``warnings.filterwarnings("ignore",
     category=UnroutedModelWarning)``) for a module whose gradients are synchronised some other way."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # wrapperroute/
+
+
+def callers_level() -> int:
+    """The ``stacklevel`` for :func:`warnings.warn` that points at the first frame outside wrapperroute, however the
+    call came (``route_loss``, ``@routed``, ``token_divisor``, ``patch_trl``)."""
+    level, frame = 1, sys._getframe(1)  # level 1: the function calling warnings.warn
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    return level

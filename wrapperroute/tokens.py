@@ -7,7 +7,7 @@ micro-batches, hold different numbers of valid tokens (padding, prompt masks, pa
 context-parallel ranks). Summed instead, and divided by ``N / D`` on every rank (``N`` the valid tokens of the whole
 optimizer step on every rank whose gradients the wrapper reduces together, ``D`` what the wrapper divides their
 sum by), every token weighs ``1 / N``. Which ranks and what ``D`` are the wrapper's to say
-(:meth:`~wrapperroute.adapters.base.Adapter.averaging`): DDP's process group, FSDP's mesh (HSDP's two dimensions,
+(:meth:`~wrapperroute.adapters.Topology.averaging`): DDP's process group, FSDP's mesh (HSDP's two dimensions,
 a flattened data x context mesh: context-parallel ranks hold different tokens and are counted), DeepSpeed's
 data-parallel group and its division of each micro-batch's loss by ``gradient_accumulation_steps``.
 Tensor-parallel ranks read the same tokens and are not in the wrapper's group: they are not counted twice.
@@ -23,11 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._groups import collective_device, side_group
-from ._routing.unrouted import enclosing_wrapper
-from .adapters.base import Averaging
-from .detect import detect
-from .errors import RouteValueError, UnroutedModelWarning
+from ._groups import collective_device, initialized, side_group, world_size
+from .adapters import Averaging
+from .detect import Detection, detect, enclosing_wrapper, trains_alone
+from .errors import RouteValueError, UnroutedModelWarning, callers_level
 
 __all__ = ["token_divisor"]
 
@@ -88,7 +87,7 @@ def divisor(count: Any, averaging: Averaging) -> torch.Tensor:
     group = averaging.group
     if group is None and len(averaging.ranks) > 1 and averaging.ranks != tuple(range(dist.get_world_size())):
         group = side_group(averaging.ranks)  # HSDP's two dimensions: no group of the wrapper's spans them
-    device = collective_device(group) if dist.is_available() and dist.is_initialized() else torch.device("cpu")
+    device = collective_device(group) if initialized() else torch.device("cpu")
     sent, problem = _as_sent(count, device)
     mine = sent.clone()  # this rank's own [value, bad], read with the reduced result (one read, one wait)
     if len(averaging.ranks) > 1:
@@ -143,23 +142,18 @@ def _bad_value(value: float) -> str | None:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if initialized() else 0
 
 
-def _say_alone(model: nn.Module, found: Any) -> None:
+def _say_alone(model: nn.Module, found: Detection) -> None:
     """Several ranks, trainable parameters, no wrapper: the divisor is this rank's own count, which is right only
     if nothing averages these gradients (tensor parallelism over every rank): said, not passed over."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return
-    if not any(p.requires_grad for p in model.parameters()):
-        return
-    layout = found.tensor_parallel
-    if layout is not None and set(layout.mesh_ranks) >= set(range(dist.get_world_size())):
+    if not trains_alone(model, found):
         return
     warnings.warn(
         f"wrapperroute.token_divisor got a {type(model).__name__} with trainable parameters and no distributed "
-        f"wrapper while {dist.get_world_size()} ranks run: the divisor is this rank's own count. Pass the model your "
+        f"wrapper while {world_size()} ranks run: the divisor is this rank's own count. Pass the model your "
         "trainer holds (the DDP, FSDP or DeepSpeed wrapper, the Fabric module), or call it inside the routed loss.",
         UnroutedModelWarning,
-        stacklevel=4,
+        stacklevel=callers_level(),
     )

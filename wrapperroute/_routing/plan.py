@@ -11,8 +11,8 @@ from typing import Any, Literal, get_args
 import torch.distributed as dist
 from torch import nn
 
-from ..adapters import Adapter
-from ..adapters.base import NOTHING
+from ..adapters import AroundLoss, Isolating, Routing, ShardUnits, Topology
+from ..adapters.registry import on_change
 from ..detect import Detection, detect, plain_types
 from ..errors import RouteStateError, RouteTypeError, RouteValueError
 from . import state
@@ -48,8 +48,7 @@ def _validate_inside(found: Detection, unwrapped: nn.Module, role: str) -> None:
         )
     if unwrapped is found.inner:
         return
-    if any(each.module is unwrapped and isinstance(each.layer, Adapter) and each.layer.distributed
-           for each in found.peeled):  # fmt: skip
+    if any(each.module is unwrapped and isinstance(each.layer, Topology) for each in found.peeled):
         raise RouteValueError(
             f"{role} is the {found.kind!r} wrapper layer itself, not the module inside it; a loss that calls it "
             f"would enter the wrapper twice. Pass wrapperroute.detect(model).inner (or None) instead."
@@ -69,8 +68,8 @@ def _no_wrapper() -> None:
 
 
 class Plan:
-    """What route_loss learns about one model object once: the wrapper to call, its adapter, the module whose
-    forward is swapped, and the modules already checked to be inside the model.
+    """What route_loss learns about one model object once: the wrapper to call, its adapter and the capabilities
+    it has, the module whose forward is swapped, and the modules already checked to be inside the model.
 
     Every module is held weakly: a plan must never keep a model (its parameters, its GPU memory) alive. It is
     dropped with the model, and rebuilt when the model's class changes (fully_shard changes it), a wrapper it
@@ -81,19 +80,21 @@ class Plan:
     __slots__ = (
         "adapter",
         "checked",
-        "enters_every_call",
+        "distributed",
         "entry_ref",
         "inner_ref",
         "inner_type",
+        "isolating",
         "kind",
         "lasting",
         "model_ref",
         "model_type",
-        "picks_units",
         "plain",
         "result_check",
+        "surrounds",
         "swap",
         "target_ref",
+        "units",
         "wrapper_ref",
     )  # fmt: skip
 
@@ -104,12 +105,14 @@ class Plan:
         self.kind = found.kind
         self.inner_ref = weakref.ref(found.inner)
         self.inner_type = type(found.inner)
-        wrapper, adapter = found.wrapper, found.adapter
+        wrapper: nn.Module | None = found.wrapper
+        adapter = found.adapter if isinstance(found.adapter, Routing) else None
         self.lasting = True  # False: answered for this call only, not kept (see _unrouted.speak_up)
         if wrapper is None:
             self.lasting = speak_up(model, found)
-            # No distributed wrapper, but a layer whose forward must still run (Fabric on one device): route
-            # through that layer alone.
+        if adapter is None:
+            # No wrapper to enter (or one whose forward arms nothing), but a layer whose forward must still run
+            # (Fabric on one device): route through that layer alone.
             wrapper, adapter = found.entry, found.entry_adapter
         self.wrapper_ref: Callable[[], nn.Module | None] = _no_wrapper
         # What route_loss calls: the wrapper, or the layer entered around it (Fabric's module).
@@ -117,7 +120,11 @@ class Plan:
         self.adapter = adapter
         self.target_ref: Callable[[], nn.Module | None] = _no_wrapper
         self.swap: Swap | None = None
-        self.enters_every_call = self.picks_units = False
+        # The capabilities the adapter has, read once: DDP's every step skips what it lacks.
+        self.distributed = isinstance(adapter, Topology)
+        self.surrounds = adapter if isinstance(adapter, AroundLoss) else None
+        self.isolating = adapter if isinstance(adapter, Isolating) else None
+        self.units = adapter if isinstance(adapter, ShardUnits) else None
         self.plain = False  # nothing to route through, and already spoken of: route_loss calls fn (see _new_plan)
         self.result_check: Callable[[nn.Module, Any], None] | None = None
         if wrapper is not None and adapter is not None:
@@ -127,10 +134,6 @@ class Plan:
             entry = found.entry if found.entry is not None and found.entry is not wrapper else None
             self.entry_ref = weakref.ref(entry) if entry is not None else self.wrapper_ref
             self.swap = swap_for(target)
-            # The adapter's fast-path facts, read once: DDP's every step skips them.
-            self.picks_units = adapter.picks_units
-            # what every call enters around the loss, asked once: made, not entered (contexts enter lazily)
-            self.enters_every_call = adapter.around_loss(wrapper, isolate=False, gather=()) is not NOTHING
             self.result_check = adapter.result_check(wrapper)
             adapter.prepare(wrapper)
         self.checked: dict[int, weakref.ref[nn.Module]] = {}
@@ -154,6 +157,9 @@ class Plan:
 
 def _forget(key: int) -> None:
     state.plans.pop(key, None)
+
+
+on_change(state.plans.clear)  # an adapter registered since may claim a layer of a planned model
 
 
 def _new_plan(model: nn.Module) -> Plan:
@@ -211,20 +217,19 @@ def resolve(
         if adapter.in_forward(wrapper):
             return None  # this thread is inside the wrapper's own forward (fn routed from it): armed already
         adapter.repair(wrapper)
-    if adapter.distributed and not dist.is_initialized():
+    if plan.distributed and not dist.is_initialized():
         raise RouteStateError(
             f"model is a {plan.kind!r} wrapper but torch.distributed has no process group (never initialised, "
             "or destroyed): its forward cannot synchronise anything. Call torch.distributed.init_process_group "
             "before routing (and keep it until the last step), or route the unwrapped model without a wrapper."
         )
-    nested: tuple[nn.Module, ...] = ()
-    if modules or plan.picks_units:
+    if modules:
         adapter.validate_gather(wrapper, modules)
-        nested = adapter.nested_units(wrapper, modules)
+    nested = plan.units.nested_units(wrapper, modules) if plan.units is not None else ()
     isolated = state.isolated_losses
     isolate = mode == "isolate" or (mode == "auto" and bool(isolated) and fallback_key(fn) in isolated)
-    around = (Around(adapter, isolate, modules, nested)
-              if plan.enters_every_call or isolate or modules or nested else None)  # fmt: skip
+    around = (Around(plan.surrounds, plan.isolating if isolate else None, modules, nested)
+              if plan.surrounds is not None or isolate or modules or nested else None)  # fmt: skip
     # the target and the entry are alive: the wrapper holds the target, and the entry is the model the caller holds
     # (or the wrapper itself)
     return Call(wrapper, plan.entry_ref(), plan.target_ref(), swap, adapter, fn, args, kwargs, around,  # type: ignore[arg-type]

@@ -16,12 +16,13 @@ from torch import nn
 
 from .._groups import collective_device, side_group
 from .._torch_internals import enable_saved_tensor_hooks, saved_tensor_hooks_enabled
+from ..adapters import Isolating, Topology
 from ..errors import RouteStateError
 from . import state
 from .swap import Call, RefusedError, enter
 
 if TYPE_CHECKING:
-    from ..adapters import Adapter
+    from ..adapters import Routing
 
 log = logging.getLogger("wrapperroute")
 
@@ -52,17 +53,21 @@ def _is_graph_optimizer_failure(error: BaseException) -> bool:
     return False
 
 
-def _retried_isolated(call: Call, error: BaseException) -> bool:
-    """Whether a call that failed so is run once more isolated: a DDP graph-optimizer failure of an ``"auto"``
-    call not isolated already (FSDP, DeepSpeed: an isolated rerun would be the same call again)."""
-    isolated = call.around is not None and call.around.isolate
-    return (
+def _isolation_to_retry(call: Call, error: BaseException) -> Isolating | None:
+    """The adapter to isolate a call that failed so, run once more: a DDP graph-optimizer failure of an ``"auto"``
+    call not isolated already; None where the wrapper has no such pass (FSDP, DeepSpeed: an isolated rerun would
+    be the same call again)."""
+    adapter = call.adapter
+    isolated = call.around is not None and call.around.isolation is not None
+    if (
         isinstance(error, Exception)
         and call.mode == "auto"
         and not isolated
-        and call.adapter.isolates
+        and isinstance(adapter, Isolating)
         and _is_graph_optimizer_failure(error)
-    )
+    ):
+        return adapter
+    return None
 
 
 def run(call: Call) -> Any:
@@ -79,7 +84,8 @@ def run(call: Call) -> Any:
         # saved-tensor hooks, and everything after (the retry, gradient checkpointing) would fail without them.
         if hooks_enabled and not saved_tensor_hooks_enabled():
             enable_saved_tensor_hooks()
-        if not _retried_isolated(call, error):
+        isolation = _isolation_to_retry(call, error)
+        if isolation is None:
             raise
     state.isolated_losses.add(fallback_key(call.fn))
     log.warning(
@@ -87,7 +93,7 @@ def run(call: Call) -> Any:
         "running it isolated from that optimizer from now on. Pass mode='isolate' to skip the first attempt.",
         getattr(call.fn, "__qualname__", type(call.fn).__name__),
     )
-    call = call.isolated()
+    call = call.isolated(isolation)
     try:
         return enter(call)
     except BaseException as error:
@@ -102,7 +108,7 @@ def _refused(error: BaseException, call: Call) -> bool:
     return isinstance(error, RefusedError) and error.call is call
 
 
-def recover(adapter: Adapter, wrapper: nn.Module) -> None:
+def recover(adapter: Routing, wrapper: nn.Module) -> None:
     """The wrapper back to its between-steps state after a fault (the adapter's ``recover``), never masking the
     loss's own error."""
     try:
@@ -111,13 +117,15 @@ def recover(adapter: Adapter, wrapper: nn.Module) -> None:
         log.exception("wrapperroute: could not reset the %s wrapper after a failed step", adapter.kind)
 
 
-def agree(adapter: Adapter, wrapper: nn.Module, error: BaseException | None) -> None:
+def agree(adapter: Routing, wrapper: nn.Module, error: BaseException | None) -> None:
     """Exchange one success flag with every rank of the wrapper's group; raise if any rank failed.
 
     On a side group (made by the wrapper group's members only, again after the process group is re-created), so
     a rank that failed before one of the wrapper's own collectives never pairs this all-reduce with it.
     """
-    ranks = adapter.step_ranks(wrapper) or tuple(range(dist.get_world_size()))
+    ranks = (adapter.step_ranks(wrapper) if isinstance(adapter, Topology) else None) or tuple(
+        range(dist.get_world_size())
+    )
     side = side_group(ranks)
     device = collective_device(side)
     flags = torch.zeros(len(ranks), dtype=torch.int32, device=device)

@@ -25,32 +25,37 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from ..adapters.routing import NOTHING
 from ..errors import RouteStateError, RouteTypeError
 from . import state
 from .kept import kept_forward_context
 
 if TYPE_CHECKING:
-    from ..adapters import Adapter
-
-_NOTHING = contextlib.nullcontext()  # reusable and re-entrant: nothing to enter
+    from ..adapters import AroundLoss, Isolating, Routing
 
 
 class Around(NamedTuple):
-    """What is entered around the loss inside the forward (the adapter's ``around_loss``), and the nested shard
-    units whose forwards the loss runs through (outermost first)."""
+    """What is entered around the loss inside the forward, and the nested shard units whose forwards the loss runs
+    through (outermost first).
 
-    adapter: Adapter
-    isolate: bool
+    surrounds
+        The adapter whose ``around_loss`` is entered on every call (its wrapper's hooks set aside), or None.
+    isolation
+        The adapter whose ``isolated`` context keeps its compiler pass away from the loss, or None: not isolated.
+    """
+
+    surrounds: AroundLoss | None
+    isolation: Isolating | None
     gather: tuple[nn.Module, ...]
     nested: tuple[nn.Module, ...]
 
 
-_MISSING = object()
+MISSING = object()  # absent from an instance's ``__dict__`` (no instance forward of its own)
 
 
 def _original_forward(module: nn.Module, saved: object) -> Callable[..., Any]:
     """What ``module.forward`` was before we swapped it: the instance forward we saved, else the class's."""
-    return saved if saved is not _MISSING else type(module).forward.__get__(module)  # type: ignore[return-value]
+    return saved if saved is not MISSING else type(module).forward.__get__(module)  # type: ignore[return-value]
 
 
 # Results whose body has not run yet: a loss computed from them would run outside the wrapper's forward.
@@ -67,7 +72,7 @@ class Call:
     )  # fmt: skip
 
     def __init__(
-        self, wrapper: nn.Module, entry: nn.Module, target: nn.Module, swap: Swap, adapter: Adapter,
+        self, wrapper: nn.Module, entry: nn.Module, target: nn.Module, swap: Swap, adapter: Routing,
         fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], around: Around | None,
         result_check: Callable[[nn.Module, Any], None] | None, mode: str,
     ) -> None:  # fmt: skip
@@ -84,10 +89,10 @@ class Call:
         self.mode = mode
         self.ran = False  # set when the wrapper's forward reached the loss: else the wrapper changed the call
 
-    def isolated(self) -> Call:
-        """The same call, isolated from DDP's graph optimizer (the functorch fallback)."""
-        around = self.around or Around(self.adapter, False, (), ())
-        return self._with(self.wrapper, self.entry, self.target, self.swap, around._replace(isolate=True))
+    def isolated(self, isolation: Isolating) -> Call:
+        """The same call, isolated from the wrapper's compiler pass (the functorch fallback)."""
+        around = self.around or Around(None, None, (), ())
+        return self._with(self.wrapper, self.entry, self.target, self.swap, around._replace(isolation=isolation))
 
     def through(self, unit: nn.Module) -> Call:
         """The same loss entered through a nested shard unit's forward, the units after it still to enter."""
@@ -107,12 +112,17 @@ class Call:
 
 def _run_loss(call: Call, kept: Callable[[], contextlib.AbstractContextManager[Any]] | None) -> Any:
     """The loss inside what must be entered around it: the contexts of the target's own instance forward
-    (accelerate's autocast), and the adapter's (a gather, the functorch isolation, nested shard units)."""
-    with kept() if kept is not None else _NOTHING:
+    (accelerate's autocast), and the adapter's (its hooks set aside and a gather, the functorch isolation, nested
+    shard units)."""
+    with kept() if kept is not None else NOTHING:
         around = call.around
         if around is None:
             return call.fn(*call.args, **call.kwargs)
-        with around.adapter.around_loss(call.wrapper, isolate=around.isolate, gather=around.gather):
+        surrounds, isolation = around.surrounds, around.isolation
+        with (
+            surrounds.around_loss(call.wrapper, around.gather) if surrounds is not None else NOTHING,
+            isolation.isolated(call.wrapper) if isolation is not None else NOTHING,
+        ):
             if around.nested:  # a shard unit the loss reads from: enter its forward too
                 return enter(call.through(around.nested[0]))
             return call.fn(*call.args, **call.kwargs)
@@ -153,11 +163,11 @@ class Swap:
         self.lock = threading.Lock()
         self.count = 0
         self.grad_calls = 0  # in-flight calls recording a graph
-        self.saved: object = _MISSING  # the target's instance forward we replaced, while swapped
+        self.saved: object = MISSING  # the target's instance forward we replaced, while swapped
         self.kept: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
         self.kept_source: weakref.ref[Any] | None = None  # the instance forward ``kept`` was read from
         self.wrapper: nn.Module | None = None  # while the passthrough is in
-        self.saved_wrapper: object = _MISSING  # the wrapper's instance forward it replaced
+        self.saved_wrapper: object = MISSING  # the wrapper's instance forward it replaced
         self.last_wrapper: weakref.ref[nn.Module] | None = None  # the wrapper it was last put on (weakly)
         self.target_id = id(target)  # a wrapper that is its own target (FSDP2) gets no passthrough
         target_ref = weakref.ref(target)
@@ -207,7 +217,7 @@ def _make_dispatch(target_ref: weakref.ref[nn.Module], swap: Swap) -> Callable[.
             with swap.lock:
                 if swap.wrapper is None:
                     swap.last_wrapper = weakref.ref(wrapper)
-                    swap.wrapper, swap.saved_wrapper = wrapper, wrapper.__dict__.get("forward", _MISSING)
+                    swap.wrapper, swap.saved_wrapper = wrapper, wrapper.__dict__.get("forward", MISSING)
                     wrapper.__dict__["forward"] = swap.passthrough
         routing = state.thread.routing
         key = id(wrapper)
@@ -282,8 +292,8 @@ def enter(call: Call) -> Any:
                         call,
                     )
             else:  # the first call in: swap the target's forward for the dispatch
-                saved = swap.saved = target.__dict__.get("forward", _MISSING)
-                if saved is not _MISSING:
+                saved = swap.saved = target.__dict__.get("forward", MISSING)
+                if saved is not MISSING:
                     swap.keep(target, saved)
                 elif swap.kept is not None:
                     swap.kept = swap.kept_source = None
@@ -307,19 +317,19 @@ def enter(call: Call) -> Any:
                 swap.grad_calls -= grad
                 if not swap.count:  # the last call out puts the original forwards back (written out: no call)
                     forwards = target.__dict__
-                    if swap.saved is not _MISSING:
+                    if swap.saved is not MISSING:
                         forwards["forward"] = swap.saved
                     elif "forward" in forwards:
                         del forwards["forward"]
-                    swap.saved = _MISSING
+                    swap.saved = MISSING
                     passed = swap.wrapper
                     if passed is not None:
                         forwards = passed.__dict__
-                        if swap.saved_wrapper is not _MISSING:
+                        if swap.saved_wrapper is not MISSING:
                             forwards["forward"] = swap.saved_wrapper
                         elif "forward" in forwards:
                             del forwards["forward"]
-                        swap.wrapper, swap.saved_wrapper = None, _MISSING
+                        swap.wrapper, swap.saved_wrapper = None, MISSING
     if not call.ran:
         raise _call_lost(target)
     return result

@@ -1,52 +1,37 @@
-"""One adapter per wrapper family: :class:`~wrapperroute.adapters.base.Adapter` for those routed through,
-:class:`~wrapperroute.adapters.base.Layer` for those only peeled.
+"""One adapter per wrapper family, and the protocols they are made of: every adapter is a
+:class:`~wrapperroute.adapters.layer.Layer` (peeled by :func:`wrapperroute.detect`); one that ``route_loss``
+enters has :class:`~wrapperroute.adapters.routing.Routing`; a distributed wrapper has
+:class:`~wrapperroute.adapters.topology.Topology` too. Capabilities a few wrappers add: :class:`AroundLoss`,
+:class:`Isolating`, :class:`ShardUnits` (routing), :class:`ArmsInForward` (topology), :class:`ReadWhole`.
 
-Optional families (DeepSpeed, PEFT, Lightning Fabric) are consulted only once their package is imported: a
-model cannot be a ``DeepSpeedEngine`` unless ``deepspeed`` was imported, so wrapperroute never imports it itself.
+The built-in adapters register here through :func:`register_adapter`, the door a user's own wrapper comes in by;
+the optional families (DeepSpeed, PEFT, Lightning Fabric) by their import path, made once their package is
+imported.
 """
 
 from __future__ import annotations
 
-import sys
-
 from ._hooks import modules_being_called
-from ._units import output_embedding
-from .base import Adapter, Assigned, Averaging, Layer, Replica
 from .compile import CompileLayer
 from .ddp import DDPAdapter
 from .fsdp1 import FSDP1Adapter
 from .fsdp2 import FSDP2Adapter, ReplicateFSDPAdapter
+from .layer import Layer
+from .registry import register_adapter, registered
 from .replicate import ReplicateAdapter
+from .routing import AroundLoss, Isolating, Routing, ShardUnits
+from .topology import ArmsInForward, Assigned, Averaging, Replica, Topology, replicated, sharded
+from .whole import ReadWhole
 
-_CORE: tuple[Layer, ...] = (
-    CompileLayer(),
-    DDPAdapter(),
-    FSDP1Adapter(),
-    FSDP2Adapter(),
-    ReplicateFSDPAdapter(),
-    ReplicateAdapter(),
-)
-# package name -> (module path, adapter class name)
-_OPTIONAL: dict[str, tuple[str, str]] = {
-    "deepspeed": ("wrapperroute.adapters.deepspeed", "DeepSpeedAdapter"),
-    "peft": ("wrapperroute.adapters.peft", "PeftLayer"),
-    "lightning": ("wrapperroute.adapters.fabric", "FabricAdapter"),
-    "lightning_fabric": ("wrapperroute.adapters.fabric", "StandaloneFabricAdapter"),
-}
-_loaded_optional: dict[str, Layer] = {}
-
-
-def registered() -> tuple[Layer, ...]:
-    """The layers and adapters to consult, core first, then those whose package is already imported."""
-    for package, (module_path, class_name) in _OPTIONAL.items():
-        if package not in _loaded_optional and package in sys.modules:
-            module = __import__(module_path, fromlist=[class_name])
-            _loaded_optional[package] = getattr(module, class_name)()
-    if not _loaded_optional:
-        return _CORE
-    return _CORE + tuple(_loaded_optional.values())
-
+for _adapter in (CompileLayer(), DDPAdapter(), FSDP1Adapter(), FSDP2Adapter(), ReplicateFSDPAdapter(),
+                 ReplicateAdapter()):  # fmt: skip
+    register_adapter(_adapter)
+register_adapter("wrapperroute.adapters.deepspeed:DeepSpeedAdapter", once_imported="deepspeed")
+register_adapter("wrapperroute.adapters.peft:PeftLayer", once_imported="peft")
+register_adapter("wrapperroute.adapters.fabric:FabricAdapter", once_imported="lightning")
+register_adapter("wrapperroute.adapters.fabric:StandaloneFabricAdapter", once_imported="lightning_fabric")
 
 __all__ = [
-    "Adapter", "Assigned", "Averaging", "Layer", "Replica", "modules_being_called", "output_embedding", "registered",
+    "ArmsInForward", "AroundLoss", "Assigned", "Averaging", "Isolating", "Layer", "ReadWhole", "Replica", "Routing",
+    "ShardUnits", "Topology", "modules_being_called", "register_adapter", "registered", "replicated", "sharded",
 ]  # fmt: skip

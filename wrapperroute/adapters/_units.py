@@ -1,4 +1,4 @@
-"""Shared by the FSDP adapters: which nested shard unit owns a module the loss reads.
+"""Shared by the FSDP adapters: which modules are shard units, and which nested unit owns a module the loss reads.
 
 A fused loss reads ``lm_head.weight`` directly. When ``lm_head`` is its own shard unit, the root's forward
 does not unshard it: only that unit's own forward does. So we route through that unit's forward too, which
@@ -12,19 +12,29 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .._head import output_embedding
+from .._torch_internals import loaded_class
 
-def output_embedding(model: nn.Module) -> nn.Module | None:
-    """The module a fused loss reads by convention: HF's output embeddings, else ``lm_head``."""
-    getter = getattr(model, "get_output_embeddings", None)
-    if callable(getter):
-        try:
-            found = getter()
-        except (AttributeError, NotImplementedError):
-            found = None
-        if isinstance(found, nn.Module):
-            return found
-    head = getattr(model, "lm_head", None)
-    return head if isinstance(head, nn.Module) else None
+
+class UnitFamily:
+    """The shard units of one wrapper family (FSDP1's ``FullyShardedDataParallel``, FSDP2's ``FSDPModule``): told
+    by their class, read where its module is loaded (``"module:Class"``, the first of ``where`` found), since no
+    unit exists before it is; and the units a loss enters, the output embedding's found once per wrapper."""
+
+    def __init__(self, *where: str) -> None:
+        self.where = where
+        self._picked: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def has(self, module: nn.Module) -> bool:
+        """Whether ``module`` is a unit of this family."""
+        unit = loaded_class(*self.where)
+        return unit is not None and isinstance(module, unit)
+
+    def to_enter(self, wrapper: nn.Module, inner: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
+        """The nested units whose forward the loss runs through (outermost first): :func:`units_for`."""
+        return units_for(wrapper, inner, gather, self.has, self._picked)
 
 
 def owning_units(

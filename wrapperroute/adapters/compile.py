@@ -6,7 +6,7 @@ import sys
 
 from torch import nn
 
-from .base import Layer
+from .layer import Layer
 
 
 class CompileLayer(Layer):

@@ -28,16 +28,14 @@ from torch.nn.parallel.distributed import _find_tensors
 
 from .._groups import group_ranks
 from ..errors import RouteValueError
-from .base import NOTHING, Adapter, Averaging, Replica
+from .routing import Isolating, Routing
+from .topology import ArmsInForward, Averaging, Replica, Topology, replicated
 
 log = logging.getLogger("wrapperroute")
 
 
-class DDPAdapter(Adapter):
+class DDPAdapter(Routing, Topology, Isolating, ArmsInForward):
     kind = "ddp"
-    distributed = True
-    arms_in_forward = True
-    isolates = True
 
     def claims(self, module: nn.Module) -> bool:
         return isinstance(module, DistributedDataParallel)
@@ -72,10 +70,8 @@ class DDPAdapter(Adapter):
             "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
         }
 
-    def around_loss(
-        self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]
-    ) -> contextlib.AbstractContextManager[Any]:
-        return without_graph_optimizer() if isolate else NOTHING
+    def isolated(self, wrapper: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        return without_graph_optimizer()
 
     def result_check(self, wrapper: nn.Module) -> Callable[[nn.Module, Any], None] | None:
         ddp: DistributedDataParallel = wrapper  # type: ignore[assignment]
@@ -112,13 +108,6 @@ def mean_over(ddp: DistributedDataParallel, group: Any) -> Averaging:
         unread = (f"DDP communication hook {name} (not one of torch's) may scale the gradients as it likes; "
                   f"taken to average over the {len(ranks)} ranks of its group, as torch's hooks do")  # fmt: skip
     return Averaging(ranks, group, float(len(ranks)), unread=unread)
-
-
-def replicated(module: nn.Module, copies: tuple[int, ...], grads: bool = True) -> list[Replica]:
-    """Every trainable parameter of ``module``, each a copy of the same parameter on the ranks ``copies``."""
-    alone = "" if len(copies) > 1 else "one rank in its group"
-    return [Replica(name, param, copies, grads, alone) for name, param in module.named_parameters()
-            if param.requires_grad]  # fmt: skip
 
 
 def _check_reachable(wrapper: nn.Module, result: Any) -> None:

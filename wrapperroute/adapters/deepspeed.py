@@ -35,22 +35,20 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import nn
 
 from .._groups import group_ranks
+from .._head import output_embedding
 from ..errors import RouteValueError
 from ._hooks import hooks_set_aside, put_hooks_back
-from ._units import output_embedding
-from .base import NOTHING, Adapter, Averaging, Replica
-from .ddp import replicated
+from .routing import NOTHING, AroundLoss, Routing
+from .topology import Averaging, Replica, Topology, replicated, sharded
+from .whole import ReadWhole
 
 
 def _stage(engine: DeepSpeedEngine) -> int:
     return int(engine.zero_optimization_stage())
 
 
-class DeepSpeedAdapter(Adapter):
+class DeepSpeedAdapter(Routing, Topology, AroundLoss, ReadWhole):
     kind = "deepspeed"
-    distributed = True
-    picks_units = True
-    shards = True
 
     def claims(self, module: nn.Module) -> bool:
         return isinstance(module, DeepSpeedEngine)
@@ -70,7 +68,7 @@ class DeepSpeedAdapter(Adapter):
         # its copies are there. ZeRO-3 partitions.
         engine: DeepSpeedEngine = wrapper
         if _stage(engine) == 3:
-            return super().replicas(wrapper)
+            return sharded(engine.module)
         dense = group_ranks(getattr(engine, "data_parallel_group", None))
         experts = getattr(engine, "expert_data_parallel_group", None) or {}
         found = []
@@ -116,8 +114,6 @@ class DeepSpeedAdapter(Adapter):
 
     def validate_gather(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> None:
         # route_loss has already checked containment; here: what ZeRO-3 can gather must be a partitioned param.
-        if not gather:  # every step without gather=: nothing to check
-            return
         inner = self.peel(wrapper)
         owned = {id(p) for p in inner.parameters()}
         for module in gather:
@@ -144,8 +140,7 @@ class DeepSpeedAdapter(Adapter):
     def prepare(self, wrapper: nn.Module) -> None:
         engine: DeepSpeedEngine = wrapper
         if _stage(engine) == 3:
-            head = output_embedding(engine.module)
-            _register_with_root(engine, head.parameters() if head is not None else ())
+            _register_with_root(engine, _head_parameters(engine.module))
 
     def concurrency_error(self, wrapper: nn.Module, grad: bool, grad_calls: int) -> str | None:
         return "a DeepSpeed engine keeps one forward's state (ZeRO-3 gathers, timers, hooks) and is not thread-safe"
@@ -156,8 +151,7 @@ class DeepSpeedAdapter(Adapter):
         # forward of the whole model while the loss runs (a KL term computed with the reference model) would
         # release the head after calling it, as a normal forward does: the head is marked in use until the end.
         engine: DeepSpeedEngine = wrapper
-        head = output_embedding(engine.module)
-        params = _partitioned(head.parameters() if head is not None and _stage(engine) == 3 else ())
+        params = _partitioned(_head_parameters(engine.module) if _stage(engine) == 3 else ())
         if not params:
             yield
             return
@@ -173,10 +167,16 @@ class DeepSpeedAdapter(Adapter):
                     param.ds_active_sub_modules.discard(_READING)
 
     @contextlib.contextmanager
-    def around_loss(self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]) -> Iterator[None]:
+    def around_loss(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> Iterator[None]:
         engine: DeepSpeedEngine = wrapper
         with hooks_set_aside(engine.module), _gathered(engine, gather) if _stage(engine) == 3 else NOTHING:
             yield
+
+
+def _head_parameters(model: nn.Module) -> Iterable[Any]:
+    """The output embedding's parameters (none without one): what a fused loss reads inside the root's forward."""
+    head = output_embedding(model)
+    return head.parameters() if head is not None else ()
 
 
 def _register_with_root(engine: DeepSpeedEngine, params: Iterable[Any]) -> None:

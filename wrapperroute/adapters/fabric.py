@@ -16,13 +16,11 @@ import importlib
 
 from torch import nn
 
-from .base import Adapter
+from .routing import Routing
 
 
-class FabricAdapter(Adapter):
+class FabricAdapter(Routing):
     kind = "fabric"
-    distributed = False
-    enters = True
     package = "lightning.fabric"
 
     def __init__(self) -> None:

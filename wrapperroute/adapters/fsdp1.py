@@ -9,35 +9,23 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
 from .._groups import group_ranks
-from .._torch_internals import loaded_class
-from ._units import units_for
-from .base import NOTHING, Adapter, Averaging, Replica
-from .ddp import replicated
+from ._units import UnitFamily
+from .routing import NOTHING, Routing, ShardUnits
+from .topology import Averaging, Replica, Topology, replicated, sharded
+from .whole import ReadWhole
 
-_auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = weakref.WeakKeyDictionary()
-
-
-# FullyShardedDataParallel, read where torch.distributed.fsdp is loaded (no unit exists before it is)
-_FSDP = "torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel"
+_UNITS = UnitFamily("torch.distributed.fsdp.fully_sharded_data_parallel:FullyShardedDataParallel")
+_is_unit = _UNITS.has
 
 
-def _is_unit(module: nn.Module) -> bool:
-    fsdp = loaded_class(_FSDP)
-    return fsdp is not None and isinstance(module, fsdp)
-
-
-class FSDP1Adapter(Adapter):
+class FSDP1Adapter(Routing, Topology, ShardUnits, ReadWhole):
     kind = "fsdp1"
-    distributed = True
-    picks_units = True
-    shards = True
 
     def claims(self, module: nn.Module) -> bool:
         return _is_unit(module)
@@ -89,7 +77,7 @@ class FSDP1Adapter(Adapter):
         # NO_SHARD keeps every parameter whole on each rank of its group, as DDP; the other strategies shard.
         if str(getattr(wrapper, "sharding_strategy", "")).endswith("NO_SHARD"):
             return replicated(self.peel(wrapper), group_ranks(wrapper.process_group))
-        return super().replicas(wrapper)
+        return sharded(self.peel(wrapper))
 
     def averaging(self, wrapper: nn.Module) -> Averaging | None:
         # FSDP divides by its pre- and post-divide factors, which together make its data-parallel world size:
@@ -128,4 +116,4 @@ class FSDP1Adapter(Adapter):
         return NOTHING
 
     def nested_units(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
-        return units_for(wrapper, self.peel(wrapper), gather, _is_unit, _auto_units)
+        return _UNITS.to_enter(wrapper, self.peel(wrapper), gather)

@@ -23,34 +23,25 @@ import torch.distributed as dist
 from torch import nn
 
 from .._groups import dtensor_copies
-from .._torch_internals import loaded_class
+from .._torch_internals import FSDP2_HOMES, loaded_class
 from ._hooks import hooks_set_aside, other_hooks_set_aside, put_hooks_back
-from ._units import units_for
-from .base import Adapter, Assigned, Averaging, Replica
+from ._units import UnitFamily
+from .routing import AroundLoss, Routing, ShardUnits
+from .topology import Assigned, Averaging, Replica, Topology
+from .whole import ReadWhole
 
-_auto_units: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = weakref.WeakKeyDictionary()
-
-
-# FSDPModule (torch >= 2.6; under _composable before), and replicate() built on FSDP2 (torch >= 2.10; a
-# ReplicateModule is an FSDPModule): read where their modules are loaded, since no unit exists before they are
-_FSDP_MODULE = ("torch.distributed.fsdp._fully_shard._fully_shard:FSDPModule",
-                "torch.distributed._composable.fsdp.fully_shard:FSDPModule")  # fmt: skip
-_REPLICATE_MODULE = "torch.distributed._composable.replicate_with_fsdp:ReplicateModule"
-
-
-def _is_unit(module: nn.Module) -> bool:
-    unit = loaded_class(*_FSDP_MODULE)
-    return unit is not None and isinstance(module, unit)
+# FSDPModule, and replicate() built on FSDP2 (torch >= 2.10; a ReplicateModule is an FSDPModule)
+_FSDP_MODULE = tuple(f"{home}:FSDPModule" for home in FSDP2_HOMES)
+_UNITS = UnitFamily(*_FSDP_MODULE)
+_is_unit = _UNITS.has
+_REPLICATES = UnitFamily("torch.distributed._composable.replicate_with_fsdp:ReplicateModule")
 
 
-class FSDP2Adapter(Adapter):
+class FSDP2Adapter(Routing, Topology, AroundLoss, ShardUnits, ReadWhole):
     kind = "fsdp2"
-    distributed = True
-    picks_units = True
-    shards = True
 
     def claims(self, module: nn.Module) -> bool:
-        return _is_unit(module) and not _replicates(module)
+        return _is_unit(module) and not _REPLICATES.has(module)
 
     def peel(self, module: nn.Module) -> nn.Module:
         return module
@@ -88,7 +79,7 @@ class FSDP2Adapter(Adapter):
         ctx.post_backward_final_callback_queued = False
 
     def nested_units(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
-        return units_for(wrapper, wrapper, gather, _is_unit, _auto_units)
+        return _UNITS.to_enter(wrapper, wrapper, gather)
 
     def meshes(self, wrapper: nn.Module) -> tuple[Any, ...]:
         return _meshes(wrapper)
@@ -103,9 +94,7 @@ class FSDP2Adapter(Adapter):
                 return tuple(sorted(group.mesh_info.mesh.mesh.flatten().tolist()))
         return None
 
-    def around_loss(
-        self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]
-    ) -> contextlib.AbstractContextManager[Any]:
+    def around_loss(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> contextlib.AbstractContextManager[Any]:
         return hooks_set_aside(wrapper)
 
     def averaging(self, wrapper: nn.Module) -> Averaging | None:
@@ -360,19 +349,13 @@ def _mesh_ranks(wrapper: nn.Module) -> tuple[int, ...]:
     return tuple(sorted(ranks)) or (dist.get_rank(),)
 
 
-def _replicates(module: nn.Module) -> bool:
-    replicate = loaded_class(_REPLICATE_MODULE)
-    return replicate is not None and isinstance(module, replicate)
-
-
 class ReplicateFSDPAdapter(FSDP2Adapter):
     """``torch.distributed._composable.replicate_with_fsdp.replicate``: FSDP2's machinery over a replicate-only
     mesh. Parameters are ``DTensor(Replicate())``, gradients all-reduced in FSDP2's post-backward; routed exactly
     as FSDP2 (nested ``replicate`` groups included), but named apart: it replicates, it does not shard."""
 
     kind = "replicate_fsdp"
-    shards = False
     reduction = "replicate's all-reduce"
 
     def claims(self, module: nn.Module) -> bool:
-        return _replicates(module)
+        return _REPLICATES.has(module)

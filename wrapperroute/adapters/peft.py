@@ -9,7 +9,7 @@ from __future__ import annotations
 from peft import PeftModel
 from torch import nn
 
-from .base import Layer
+from .layer import Layer
 
 
 class PeftLayer(Layer):

@@ -15,7 +15,7 @@ under DDP (see ``ddp.py``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -25,8 +25,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._groups import group_ranks
 from ._hooks import hooks_set_aside, put_hooks_back
-from .base import Adapter, Averaging, Replica
-from .ddp import check_loss_reachable, concurrency_reason, mean_over, replicated, without_graph_optimizer
+from .ddp import check_loss_reachable, concurrency_reason, mean_over, without_graph_optimizer
+from .routing import AroundLoss, Isolating, Routing
+from .topology import ArmsInForward, Averaging, Replica, Topology, replicated
 
 
 def _ddp_of(module: nn.Module) -> DistributedDataParallel | None:
@@ -49,11 +50,8 @@ def _option(module: nn.Module, name: str, default: Any) -> Any:
     return _given(module).get(name, default)
 
 
-class ReplicateAdapter(Adapter):
+class ReplicateAdapter(Routing, Topology, AroundLoss, Isolating, ArmsInForward):
     kind = "replicate"
-    distributed = True
-    arms_in_forward = True
-    isolates = True
 
     def claims(self, module: nn.Module) -> bool:
         return isinstance(module, ComposableDDP)
@@ -72,10 +70,11 @@ class ReplicateAdapter(Adapter):
             "gradient_as_bucket_view": _option(wrapper, "gradient_as_bucket_view", False),
         }
 
-    def around_loss(
-        self, wrapper: nn.Module, *, isolate: bool, gather: tuple[nn.Module, ...]
-    ) -> contextlib.AbstractContextManager[Any]:
-        return _around_loss(wrapper, isolate)
+    def around_loss(self, wrapper: nn.Module, gather: tuple[nn.Module, ...]) -> contextlib.AbstractContextManager[Any]:
+        return hooks_set_aside(wrapper)
+
+    def isolated(self, wrapper: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        return without_graph_optimizer()
 
     def result_check(self, wrapper: nn.Module) -> Callable[[nn.Module, Any], None] | None:
         return _check_reachable if _option(wrapper, "find_unused_parameters", False) else None
@@ -135,12 +134,6 @@ def requires_gradient_sync(module: nn.Module) -> bool:
     """False while ``module.set_requires_gradient_sync(False)`` holds (composable replicate's ``no_sync``)."""
     state = replicate.state(module)
     return not (state is not None and state._no_sync)
-
-
-@contextlib.contextmanager
-def _around_loss(module: nn.Module, isolate: bool) -> Iterator[None]:
-    with hooks_set_aside(module), without_graph_optimizer() if isolate else contextlib.nullcontext():
-        yield
 
 
 def _check_reachable(wrapper: nn.Module, result: Any) -> None:

@@ -124,9 +124,9 @@ def _together(seconds: float = 60.0) -> None:
     would have the others stopped before rank 0's final line, or their own status, is out."""
     import torch.distributed as dist
 
-    from .._groups import made_side_group
+    from .._groups import made_side_group, world_size
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if world_size() < 2:
         return
     side = made_side_group(backend="gloo")
     if side is not None:

@@ -33,8 +33,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .. import crossrank
-from .._groups import side_group
-from ..adapters import Adapter
+from .._groups import initialized, side_group, world_size
+from ..adapters import Topology
 from ..adapters.fsdp2 import managed_params, on_fully_shard
 from ..arrivals import Arrivals, Watch, agree, watch
 from ..crossrank import Outcome, Pending, replica_rows
@@ -89,7 +89,7 @@ class Audit:
         self._optimizers_seen = self._optimizers_in_run = 0
         # The wrappers found by the last scan of the process's objects (weakly: the audit keeps no model alive).
         # Scanned again for an optimizer not seen before, or when one of them is gone.
-        self._wrappers: list[tuple[Adapter, weakref.ref[nn.Module]]] | None = None
+        self._wrappers: list[tuple[Topology, weakref.ref[nn.Module]]] | None = None
         # optimizer -> the wrappers' own step counts at its last step (see _same_training_step)
         self._step_counts: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int | None, ...]] = (
             weakref.WeakKeyDictionary()
@@ -150,7 +150,7 @@ class Audit:
     # --- auditing ---------------------------------------------------------------------------------------
 
     def _running(self) -> bool:
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        return world_size() > 1
 
     def _side_group(self) -> Any:
         if self._group is None:  # made by every rank at the same point: their first audited step
@@ -197,7 +197,7 @@ class Audit:
 
     def _same_training_step(self, optimizer: torch.optim.Optimizer, rescan: bool) -> bool:
         """Whether this call of ``optimizer.step`` belongs to the training step its last call began: a wrapper
-        that steps it in parts (``Adapter.step_count``) has not counted a step since. The model is then half
+        that steps it in parts (``Topology.step_count``) has not counted a step since. The model is then half
         updated, and no comparison may read it."""
         if not self._running() or self.finished:
             return False
@@ -253,7 +253,7 @@ class Audit:
                 elif not found.kinds:  # the script's models were freed before it ended: said in the final line
                     self.end_missed = True
 
-    def _known(self, rescan: bool) -> list[tuple[Adapter, nn.Module]]:
+    def _known(self, rescan: bool) -> list[tuple[Topology, nn.Module]]:
         alive = [(adapter, ref()) for adapter, ref in self._wrappers or ()]
         if rescan or self._wrappers is None or any(wrapper is None for _, wrapper in alive):
             found = wrappers()
@@ -339,7 +339,7 @@ class _Destroyed:
 
 def rank() -> int:
     """This process's rank: the process group's, else the launcher's (after the script destroyed the group)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return dist.get_rank() if initialized() else int(os.environ.get("RANK", "0"))
 
 
 __all__ = [

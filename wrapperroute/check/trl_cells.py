@@ -10,6 +10,7 @@ that failed must not leave the other waiting in a collective it never joins).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tempfile
 import time
@@ -52,6 +53,32 @@ TRAINERS = {
     "sdpo": (("trl.experimental.sdpo",), "SDPOConfig", "SDPOTrainer"),
     "sdft": (("trl.experimental.sdft",), "SDFTConfig", "SDFTTrainer"),
 }
+
+
+class PathsTaken(logging.Handler):
+    """Counts, while entered, the paths the patched TRL methods take (their DEBUG records on
+    ``wrapperroute.trl.paths``) by ``"owner: path"``; the logger is put back as it was on exit."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.counts: dict[str, int] = {}
+        self._logger = logging.getLogger("wrapperroute.trl.paths")
+        self._saved = (self._logger.level, self._logger.propagate)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        key = record.getMessage()
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def __enter__(self) -> PathsTaken:
+        self._saved = (self._logger.level, self._logger.propagate)
+        self._logger.addHandler(self)
+        self._logger.setLevel(logging.DEBUG)
+        self._logger.propagate = False  # counted here, not printed by a handler of the script's
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.removeHandler(self)
+        self._logger.level, self._logger.propagate = self._saved
 
 
 def trainer_classes(name: str) -> tuple[Any, Any] | None:
@@ -260,7 +287,7 @@ def trl_step(trainer_name: str, variant: str, folder: str, layout: str = "ddp") 
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
-    from ..integrations.trl import liger_paths, patch_trl, unpatch_trl
+    from ..integrations.trl import patch_trl, unpatch_trl
     from .trl_layouts import GradProbe, layout_args
     from .trl_layouts import layout as under
 
@@ -281,14 +308,14 @@ def trl_step(trainer_name: str, variant: str, folder: str, layout: str = "ddp") 
     if variant != "unpatched":
         result["patch"] = list(patch_trl(mode="redirect" if variant == "naive" else "isolate").patched)
     probe = GradProbe()
-    liger_paths.clear()
+    taken = PathsTaken()
     try:
         found = trainer_classes(trainer_name)
         if found is None:
             raise LookupError(f"the installed TRL has no {TRAINERS[trainer_name][2]}")
         config_cls, trainer_cls = found
         _fill_model_folder(folder)
-        with tempfile.TemporaryDirectory() as out, under(layout, probe):
+        with tempfile.TemporaryDirectory() as out, under(layout, probe), taken:
             rows, config, extra = _setup(trainer_name, folder, layout)
             common = {"use_liger_kernel": True, "liger_kernel_config": NO_TRITON, "remove_unused_columns": False}
             trainer: Any = trainer_cls(
@@ -308,7 +335,7 @@ def trl_step(trainer_name: str, variant: str, folder: str, layout: str = "ddp") 
     finally:
         unpatch_trl()
     result["grads"] = probe.grads
-    result["liger_paths"] = {f"{owner}: {path}": count for (owner, path), count in liger_paths.items()}
+    result["liger_paths"] = taken.counts
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
 

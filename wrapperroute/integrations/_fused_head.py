@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters import output_embedding
+from .._head import output_embedding
 from ..adapters.fsdp2 import is_sharded_param
 from ..detect import detect
 from ..losses import linear_logprobs

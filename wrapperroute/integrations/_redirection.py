@@ -9,11 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._routing.swap import MISSING
 from ..detect import detect
 from ..route import Mode, route_loss
 from ._router_loss import warn_if_router_loss_dropped
-
-MISSING = object()
 
 
 class ForwardRedirection:

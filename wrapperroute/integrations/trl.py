@@ -54,18 +54,21 @@ from typing import Any
 
 from torch import nn
 
-from ..adapters import output_embedding
+from .._head import output_embedding
+from .._routing.swap import MISSING
+from ..adapters import ReadWhole
 from ..adapters.fsdp2 import own_hooks_only
 from ..detect import detect
 from ..route import Mode, route_loss
 from . import _fused_head as fused_head
-from ._redirection import MISSING, ForwardRedirection
+from ._redirection import ForwardRedirection
 from ._router_loss import warn_if_router_loss_dropped
 
 log = logging.getLogger("wrapperroute")
 
-# What a patched method found on each call: (trainer class name, path) -> calls.
-liger_paths: dict[tuple[str, str], int] = {}
+# Which path each patched call took ("DPOTrainer: routed whole inside DistributedDataParallel"), said at DEBUG:
+# what ``wrapperroute check --trl`` counts. Left at its default level, it costs a level check per call.
+paths = logging.getLogger("wrapperroute.trl.paths")
 # Frozen models a trainer may hold whose weights its loss reads directly, outside their forward.
 _COMPANIONS = ("ref_model", "teacher_model")
 # The switch of every Liger path in TRL: a trainer module without it has none.
@@ -102,9 +105,8 @@ def _set(label: str, owner: Any, attribute: str, value: Any) -> None:
     setattr(owner, attribute, value)
 
 
-def _seen(owner: str, path: str) -> None:
-    key = (owner, path)
-    liger_paths[key] = liger_paths.get(key, 0) + 1
+def _took(owner: str, path: str) -> None:
+    paths.debug("%s: %s", owner, path)
 
 
 def _holds_fused_loss(trainer: Any) -> bool:
@@ -137,10 +139,10 @@ def _routed_compute_loss(original: Callable[..., Any], mode: Mode) -> Callable[.
         if fused:
             warn_if_router_loss_dropped(self, self.accelerator.unwrap_model(model), module_name)
         if not detect(model).distributed:
-            _seen(owner, "no wrapper: called as it is")
+            _took(owner, "no wrapper: called as it is")
             return original(self, model, *args, **kwargs)
         if not fused:
-            _seen(owner, "no fused Liger loss: called as it is")
+            _took(owner, "no fused Liger loss: called as it is")
             return original(self, model, *args, **kwargs)
         redirection = getattr(self, "_forward_redirection", None)
         if redirection is not None and not isinstance(redirection, ForwardRedirection):
@@ -154,10 +156,10 @@ def _routed_compute_loss(original: Callable[..., Any], mode: Mode) -> Callable[.
             for attribute in _COMPANIONS:
                 companion = getattr(self, attribute, None)
                 found = detect(companion) if isinstance(companion, nn.Module) else None
-                if found is not None and found.adapter is not None and found.wrapper is not None:
+                if found is not None and isinstance(found.adapter, ReadWhole) and found.wrapper is not None:
                     stack.enter_context(found.adapter.read_whole(found.wrapper))
                     held.append(attribute)
-            _seen(owner, f"routed whole inside {held[0]}" + "".join(f", {name} held whole" for name in held[1:]))
+            _took(owner, f"routed whole inside {held[0]}" + "".join(f", {name} held whole" for name in held[1:]))
             inner = self.accelerator.unwrap_model(model)
             call = functools.partial(original, self, model, *args, **kwargs)
             return route_loss(model, inner, call, mode=mode)
@@ -175,7 +177,7 @@ def _unwrapping_liger(original: Callable[..., Any]) -> Callable[..., Any]:
         if inner is not model:
             # This TRL passes the wrapper where its Liger code reads the model (``model.base_model``): give it the
             # model it expects (compute_loss runs it inside that wrapper's forward already).
-            _seen(owner, "wrapper passed: unwrapped")
+            _took(owner, "wrapper passed: unwrapped")
         return original(self, inner, *args, **kwargs)
 
     _compute_loss_liger.__wrapperroute_original__ = original  # type: ignore[attr-defined]
@@ -202,7 +204,7 @@ def _head_gather_deferred(original: Callable[..., Any]) -> Callable[..., Any]:
         # The step's on-policy generation, inside it, gathers every parameter, which DeepSpeed refuses to nest
         # ("Nested GatheredParameters contexts cannot overlap"): the routed loss enters TRL's gather when it
         # runs, after the generation, and the step leaves it, as TRL's does.
-        _seen(owner, "head gather from the loss to the end of the step")
+        _took(owner, "head gather from the loss to the end of the step")
         with contextlib.ExitStack() as step:
             _pending_gathers[id(self)] = functools.partial(step.enter_context, gather)
             try:
@@ -233,7 +235,7 @@ def _fused_head_routed(original: Callable[..., Any]) -> Callable[..., Any]:
         result = original(model, *args, **kwargs)
         fused = model.__dict__.get("forward")
         if fused is None:  # not installed as an instance forward: left as TRL made it
-            _seen("add_fused_lm_head", "no instance forward installed: left alone")
+            _took("add_fused_lm_head", "no instance forward installed: left alone")
             return result
         settings = fused_head.installed_settings(fused)
 
@@ -241,7 +243,7 @@ def _fused_head_routed(original: Callable[..., Any]) -> Callable[..., Any]:
             head = output_embedding(model)
             if head is not None and fused_head.vocab_sharded(head.weight):
                 if settings is not None and output_class is not None:
-                    _seen("add_fused_lm_head", "fused head computed on its vocabulary shard")
+                    _took("add_fused_lm_head", "fused head computed on its vocabulary shard")
                     return fused_head.vocab_parallel_forward(model, output_class, settings, *call_args, **call_kwargs)
                 _said_once(
                     "wrapperroute: TRL's fused LM head installed here does not keep the settings this version reads "
@@ -256,7 +258,7 @@ def _fused_head_routed(original: Callable[..., Any]) -> Callable[..., Any]:
                 return fused(*call_args, fused_lm_head=False, **call_kwargs)
             unit = fused_head.head_unit(model)
             if unit is not None:
-                _seen("add_fused_lm_head", "fused head read inside its FSDP2 unit's forward")
+                _took("add_fused_lm_head", "fused head read inside its FSDP2 unit's forward")
                 with own_hooks_only(unit):
                     return route_loss(unit, unit, head_as_read, *call_args, **call_kwargs)
             return head_as_read(*call_args, **call_kwargs)
@@ -334,7 +336,7 @@ def patch_trl(mode: Mode = "isolate", forward_redirection: bool = True) -> TrlPa
       :func:`fused_loss_trainers`): ``compute_loss`` is wrapped on the class that defines it and, on each call
       where the trainer holds a fused linear loss and received a distributed wrapper, runs whole inside that
       wrapper's forward, while each distributed reference or teacher model it holds has its weights held whole
-      (``Adapter.read_whole``: FSDP2 root, ZeRO-3 head); ``_compute_loss_liger``, where a class defines it, is
+      (``ReadWhole.read_whole``: FSDP2 root, ZeRO-3 head); ``_compute_loss_liger``, where a class defines it, is
       given the unwrapped model when a release passes it the wrapper; ``_get_liger_zero3_lm_head_gather_ctx``,
       where a class defines it, gathers from the routed loss to the end of the step (its on-policy generation,
       earlier in the step, gathers every parameter: DeepSpeed refuses the two nested). ``mode`` defaults to
