@@ -138,7 +138,7 @@ def test_real_trainers(trainer: str, tmp_path: Path) -> None:
     """TRL's DPOTrainer with use_liger_kernel=True and an HF Trainer with a fused compute_loss, as written: the
     audit's verdict is the truth the script measures by gathering every parameter (DESYNC where they differ: the
     HF trainer always, TRL's DPO up to 1.13; in sync where TRL runs the loss inside the model, 1.14
-    on). With patch_trl() / @routed: in sync, and the truth says so."""
+    on). Where it desyncs, with patch_trl() / @routed: in sync, and the truth says so."""
     folder = tmp_path / "model"
     folder.mkdir()
     # warned, not ended at the desync: the script runs to its end and measures the truth
@@ -152,6 +152,7 @@ def test_real_trainers(trainer: str, tmp_path: Path) -> None:
         assert 3 in bad["rank_codes"], f"no rank left with the desync status 3: {bad['rank_codes']}"
     else:
         assert _one_final(bad).startswith("wrapperroute audit: in sync"), bad["out"][-2000:] + bad["err"][-3000:]
+        return  # nothing for the fix to show (patch_trl on every trainer: tests/test_trl.py)
     good = _audit(2, "hf_trl.py", "--trainer", trainer, "--fix", "--folder", str(folder))
     assert _truth(good) == 0, good["out"][-2000:]
     assert _one_final(good).startswith("wrapperroute audit: in sync"), good["out"][-2000:] + good["err"][-3000:]

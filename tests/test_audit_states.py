@@ -20,12 +20,14 @@ from test_audit import ENV, SCRIPTS, _audit, _one_final, _run, _torchrun
 @pytest.mark.parametrize("setup", ["ddp_groups", "replicate_mesh"])
 def test_two_groups_each_compared_within_itself(setup: str) -> None:
     """4 ranks, two groups each training its own model: in sync, exit 0 (compared across the whole world, the
-    two models would differ everywhere); the upstream bug in one group: DESYNC, exit 3."""
+    two models would differ everywhere); the upstream bug in one group (DDP's groups): DESYNC, exit 3."""
     wrapper = "ddp" if setup == "ddp_groups" else "replicate"
     good = _audit(4, "groups.py", "--setup", setup, audit=("--steps", "all"))
     final = _one_final(good)
     assert final.startswith("wrapperroute audit: in sync (3 step(s)") and f"wrappers: {wrapper})" in final, final
     assert good["code"] == 0, good["err"][-3000:]
+    if setup != "ddp_groups":
+        return  # a desync within one group is found by the same comparison whichever groups the wrappers name
     bad = _audit(4, "groups.py", "--setup", setup, "--bug")
     final = _one_final(bad)
     assert final.startswith("wrapperroute audit: DESYNC") and f"{wrapper}[0].lm_head.weight (gradient)" in final, final
@@ -67,8 +69,8 @@ def _bare_venv() -> Path:
 
 def _verdicts(python: str) -> dict[str, Any]:
     found = {}
-    for name, args in (("desync", ("--loss", "module")), ("in sync", ("--loss", "routed")),
-                       ("nan", ("--loss", "module", "--nan", "rank1"))):  # fmt: skip
+    # a NaN beside numbers: DESYNC through the same comparison a plain desync takes, and the NaN-aware part too
+    for name, args in (("in sync", ("--loss", "routed")), ("nan", ("--loss", "module", "--nan", "rank1"))):
         command = [python, *_torchrun(2, "-m", "wrapperroute", "audit", str(SCRIPTS / "ddp_train.py"), *args)[1:]]
         run = _run(command)
         found[name] = (_one_final(run).split(" (")[0], 3 in run["rank_codes"] or run["code"] == 0)
@@ -85,7 +87,7 @@ def test_the_audit_needs_nothing_torch_does_not_bring() -> None:
     premise = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120, env=ENV)
     assert premise.returncode != 0 and "Numpy is not available" in premise.stderr, premise.stderr[-2000:]
     bare = _verdicts(python)  # the same runs in this environment: above, and tests/test_audit.py
-    assert bare["desync"][0] == bare["nan"][0] == "wrapperroute audit: DESYNC", bare
+    assert bare["nan"][0] == "wrapperroute audit: DESYNC", bare
     assert bare["in sync"][0] == "wrapperroute audit: in sync", bare
     assert all(status for _, status in bare.values()), bare  # 3 on a desync, 0 in sync
 

@@ -9,6 +9,10 @@ import re
 import subprocess
 import sys
 
+import rankside_benchmarks
+
+from wrapperroute.ranks import RankPool
+
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -34,15 +38,16 @@ def test_quick_benchmark_runs(tmp_path: pathlib.Path) -> None:
         assert call["bare_us"] > 0 and "bare swap" in done.stdout, f"the bare swap is not measured: {call}"
 
 
-def test_token_cost_quick_run() -> None:
-    done = subprocess.run([sys.executable, str(BENCH / "token_cost.py"), "--quick"], capture_output=True, text=True,
-                          timeout=300, check=False)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_token_cost_measures_on_the_ranks(pool: RankPool) -> None:
+    """benchmarks/token_cost.py's measurement, as ``--quick`` runs it, in the suite's pool (its own pool and
+    process cost more than the measurement)."""
     for micro_batches in (2, 1):  # a step of two micro-batches (accumulation) and of one, each with its ratios
-        rows = [line for line in done.stdout.splitlines() if line.startswith(f"{micro_batches} micro-batch(es)")]
-        assert rows, f"no row for {micro_batches} micro-batch(es) a step: {done.stdout[-3000:]}"
+        row = pool.run(rankside_benchmarks.token_cost_row, micro_batches)[0]
+        assert row["ratio"] > 0 and row["over_bare"]["ratio"] > 0, row
+        line = row["line"]
+        assert line.startswith(f"{micro_batches} micro-batch(es)"), line
         for phrase in ("step over token_divisor / over the rank's own count", "token_divisor / the bare all-reduce"):
-            assert all(phrase in line for line in rows), f"{phrase!r} missing: {rows}"
+            assert phrase in line, f"{phrase!r} missing: {line}"
 
 
 def test_instruction_count_workers_run() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import rankside_route_ddp
@@ -71,18 +72,25 @@ def test_gradient_truth(pool: RankPool, loss: str, setting: str) -> None:
         assert rank.max_ref_diff > 1e-4, rank
 
 
+@pytest.fixture(scope="module")
+def compile_pool() -> Iterator[RankPool]:
+    """Two ranks of their own for the tests whose loss must fail on a first compile: earlier tests in the shared
+    pool (DeepSpeed, accelerate) leave compiler state behind that a Dynamo reset does not clear. Each of these
+    tests compiles afresh (``fresh_compile``), and a compile that failed once fails again, so they share it."""
+    with RankPool(2) as pool:
+        yield pool
+
+
 @pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed (pip install wrapperroute[liger])")
-def test_functorch_crash_reproduced_and_fallback_exact() -> None:
+def test_functorch_crash_reproduced_and_fallback_exact(compile_pool: RankPool) -> None:
     """The upstream crash: compiled Liger DPO with an unfrozen reference head, hidden 256, vocab 8192.
 
     Compiled fresh inside DDP's forward, plain forward redirection crashes; the default mode falls back by
     itself and is exact. The same under composable replicate (its pre-hook sets DDP's forward marker) and
-    Fabric over DDP. Fresh ranks: a first compile is what crashes, and earlier tests in the shared pool
-    (DeepSpeed, accelerate) leave compiler state behind that a Dynamo reset does not clear.
+    Fabric over DDP, each compiled afresh.
     """
-    with RankPool(2) as pool:
-        for wrapper in COMPOSED_DDP:
-            _crash_then_fallback(pool, wrapper)
+    for wrapper in COMPOSED_DDP:
+        _crash_then_fallback(compile_pool, wrapper)
 
 
 def _crash_then_fallback(pool: RankPool, wrapper: str) -> None:
@@ -105,9 +113,8 @@ def _crash_then_fallback(pool: RankPool, wrapper: str) -> None:
 
 @pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed (pip install wrapperroute[liger])")
 @pytest.mark.parametrize(("mode", "expect"), [("redirect", "crash"), ("auto", "fallback")])
-def test_failed_compile_leaves_saved_tensor_hooks_on(mode: str, expect: str) -> None:
-    with RankPool(2) as pool:  # fresh ranks: the failure needs a first compile (see the crash test)
-        pool.run(rankside_route_ddp.saved_tensor_hooks_after, mode, expect)
+def test_failed_compile_leaves_saved_tensor_hooks_on(compile_pool: RankPool, mode: str, expect: str) -> None:
+    compile_pool.run(rankside_route_ddp.saved_tensor_hooks_after, mode, expect)
 
 
 def test_no_sync_defers_allreduce(pool: RankPool) -> None:
