@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any
 
 import torch
@@ -57,8 +56,7 @@ def interrupt_anywhere(wrapper: str, opts: dict[str, Any]) -> None:
     """KeyboardInterrupt at every point of a routed fused-CE call where CPython could raise one, every rank at
     the same point (tests/interrupt_points.py), the call under no_grad (an evaluation step: a training forward
     interrupted after it returned is an abandoned forward, whose aftermath is the wrapper's own). After each:
-    the wrapper's between-steps state, and the next training step is exact. ZeRO-3, the dearest: every other
-    point and the last, the step after every fifth of those (every point and step under --long)."""
+    the wrapper's between-steps state, and the next training step is exact."""
     from interrupt_points import count_points, interrupt_at
 
     wrapped, reference = build(wrapper, opts)
@@ -77,25 +75,12 @@ def interrupt_anywhere(wrapper: str, opts: dict[str, Any]) -> None:
     # forward does; after an interrupted one, recover() releases everything. Both are between-steps states: the
     # exact step after each interrupt judges.
     loose = {"sharded"} if wrapper == "zero3" else set()
-    # ZeRO-3's call is the dearest to interrupt (~0.2 s a point: every DeepSpeed frame goes through the tracer)
-    # and its exact step too (a gather per parameter): every other point and the last, the exact step after every
-    # fifth of those and the last (every point and step under --long); the wrapper's state after every one
-    sampled = wrapper == "zero3" and os.environ.get("WRAPPERROUTE_LONG") != "1"
-    visited = list(range(1, points + 1, 2 if sampled else 1))
-    if visited[-1] != points:
-        visited.append(points)
-    every = 5 if sampled else 1
-    exact = 1
-    for index, point in enumerate(visited, 1):
+    for point in range(1, points + 1):
         interrupted, where = interrupt_at(point, call)
         left = {key: values for key, values in changed(before, snapshot(wrapped)).items() if key not in loose}
         assert interrupted, f"point {point} of {points} ({where}): the KeyboardInterrupt never reached the caller"
         assert not left, f"point {point} of {points} ({where}): the interrupted call changed the wrapper: {left}"
-        if index % every == 0 or point == points:
-            truth_step(wrapped, reference, point, after=f"Ctrl-C at point {point} of {points} ({where})")
-            exact += 1
-    expected = 1 + len(visited) // every + (len(visited) % every != 0)
-    assert exact == expected, f"{exact} exact steps for {points} interrupt points and the first step, not {expected}"
+        truth_step(wrapped, reference, point, after=f"Ctrl-C at point {point} of {points} ({where})")
 
 
 # --- one rank fails -----------------------------------------------------------------------------------------

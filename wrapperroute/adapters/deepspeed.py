@@ -128,14 +128,19 @@ class DeepSpeedAdapter(Routing, Topology, AroundLoss, ReadWhole):
         # next step would be taken for a nested call) and the parameters it gathered stay whole. Run the
         # epilogue, then release every gathered parameter (partitioning is local: no collective), whether or not
         # the flag is still set: a fault inside the engine's own hooks can clear it and leave a parameter
-        # gathered and held by a module that never finished. ZeRO 0-2 keep no forward state.
+        # gathered and held by a module that never finished. ZeRO 0-2 keep no forward state. The release is the
+        # ZeRO-3 optimizer's own (what engine.empty_partition_cache() calls), without the engine's gc.collect()
+        # and device cache emptying after it: a quarter of a second in a process holding a trainer, on every
+        # batch a loop skips, for memory the next step gathers again.
         engine: DeepSpeedEngine = wrapper
         put_hooks_back(engine.module)
         if _stage(engine) != 3:
             return
         if self.marks_forward(engine):
             engine._forward_epilogue()
-        engine.empty_partition_cache()
+        release = getattr(engine.optimizer, "empty_partition_cache", None)
+        if release is not None:
+            release()
 
     def prepare(self, wrapper: nn.Module) -> None:
         engine: DeepSpeedEngine = wrapper
