@@ -43,7 +43,6 @@ def register_adapter(adapter: Layer | str, *, once_imported: str | None = None) 
     Asked before every adapter registered earlier, the built-in ones included. Models routed or detected before
     are looked at again.
     """
-    global _pending
     if isinstance(adapter, str):
         if once_imported is None or ":" not in adapter:
             raise RouteValueError(
@@ -51,7 +50,6 @@ def register_adapter(adapter: Layer | str, *, once_imported: str | None = None) 
                 "and once_imported='package' (the package whose import makes it); or pass an adapter instance"
             )
         _entries.append(_Entry(None, adapter, once_imported))
-        _pending += 1
     elif isinstance(adapter, Layer):
         if once_imported is not None:
             raise RouteValueError("once_imported= goes with an adapter given by its import path ('module:Class')")
@@ -78,20 +76,19 @@ def registered() -> tuple[Layer, ...]:
 
 
 def _make_imported() -> None:
-    global _pending
     made = False
     for entry in _entries:
         if entry.adapter is None and entry.package in sys.modules:
             module_path, class_name = entry.path.split(":")
             entry.adapter = getattr(importlib.import_module(module_path), class_name)()
-            _pending -= 1
             made = True
     if made:
         _changed()
 
 
 def _changed() -> None:
-    global _asked
+    global _asked, _pending
     _asked = tuple(entry.adapter for entry in reversed(_entries) if entry.adapter is not None)
+    _pending = sum(entry.adapter is None for entry in _entries)
     for forget in _on_change:
         forget()
