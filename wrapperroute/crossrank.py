@@ -3,7 +3,7 @@ go through here.
 
 - **Which ranks**: a row names the ranks that must hold a copy equal to this rank's (``copies``): a DDP's process
   group, one dimension of a device mesh, DeepSpeed's data-parallel group (the adapters say which, see
-  ``Adapter.replicas``). Rows are exchanged over a group that spans them all, and compared only among copies.
+  ``Topology.replicas``). Rows are exchanged over a group that spans them all, and compared only among copies.
 - **Exactly**: each rank sends a signature per tensor (its L2 norm, accumulated in the tensor's own precision
   or better); a tensor whose signature differs among its copies, or is not finite, is a *suspect* and is sent
   whole, as its raw bytes (dtype and every bit kept), and compared in float64, which holds every value of
