@@ -23,9 +23,12 @@ from .routing import AroundLoss, Isolating, Routing, ShardUnits
 from .topology import ArmsInForward, Assigned, Averaging, Replica, Topology, replicated, sharded
 from .whole import ReadWhole
 
-for _adapter in (CompileLayer(), DDPAdapter(), FSDP1Adapter(), FSDP2Adapter(), ReplicateFSDPAdapter(),
-                 ReplicateAdapter()):  # fmt: skip
-    register_adapter(_adapter)
+register_adapter(CompileLayer())
+register_adapter(DDPAdapter())
+register_adapter(FSDP1Adapter())
+register_adapter(FSDP2Adapter())
+register_adapter(ReplicateFSDPAdapter())
+register_adapter(ReplicateAdapter())
 register_adapter("wrapperroute.adapters.deepspeed:DeepSpeedAdapter", once_imported="deepspeed")
 register_adapter("wrapperroute.adapters.peft:PeftLayer", once_imported="peft")
 register_adapter("wrapperroute.adapters.fabric:FabricAdapter", once_imported="lightning")

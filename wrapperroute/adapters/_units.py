@@ -27,9 +27,14 @@ class UnitFamily:
             weakref.WeakKeyDictionary()
         )
 
+    def loaded(self) -> type | None:
+        """The units' class, or None while its module is not loaded (no unit exists yet)."""
+        found: type | None = loaded_class(*self.where)
+        return found
+
     def has(self, module: nn.Module) -> bool:
         """Whether ``module`` is a unit of this family."""
-        unit = loaded_class(*self.where)
+        unit = self.loaded()
         return unit is not None and isinstance(module, unit)
 
     def to_enter(self, wrapper: nn.Module, inner: nn.Module, gather: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:

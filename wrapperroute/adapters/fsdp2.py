@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._groups import dtensor_copies
-from .._torch_internals import FSDP2_HOMES, loaded_class
+from .._torch_internals import FSDP2_HOMES
 from ._hooks import hooks_set_aside, other_hooks_set_aside, put_hooks_back
 from ._units import UnitFamily
 from .routing import AroundLoss, Routing, ShardUnits
@@ -31,8 +31,7 @@ from .topology import Assigned, Averaging, Replica, Topology
 from .whole import ReadWhole
 
 # FSDPModule, and replicate() built on FSDP2 (torch >= 2.10; a ReplicateModule is an FSDPModule)
-_FSDP_MODULE = tuple(f"{home}:FSDPModule" for home in FSDP2_HOMES)
-_UNITS = UnitFamily(*_FSDP_MODULE)
+_UNITS = UnitFamily(*(f"{home}:FSDPModule" for home in FSDP2_HOMES))
 _is_unit = _UNITS.has
 _REPLICATES = UnitFamily("torch.distributed._composable.replicate_with_fsdp:ReplicateModule")
 
@@ -205,10 +204,10 @@ def is_sharded_param(tensor: Any) -> bool:
     tensor lives: a tensor-parallel ``DTensor`` head pays that scan once."""
     key = id(tensor)
     known = _sharded_params.get(key)
-    unit_class = loaded_class(*_FSDP_MODULE)
-    if known is None and unit_class is None:
-        return False  # no FSDP2 unit can exist yet
     if known is None:
+        unit_class = _UNITS.loaded()
+        if unit_class is None:
+            return False  # no FSDP2 unit can exist yet
         known = any(
             managed.sharded_param is tensor
             for unit in gc.get_objects()
